@@ -1,0 +1,3 @@
+"""fdp's version."""
+
+__version__ = "0.1.0"
