@@ -1,0 +1,35 @@
+"""Pytree-aware functional collectives for use inside ``jax.shard_map``.
+
+Each takes the mesh axis as ``axis_name`` (default ``'data'``) and mirrors a
+``torch.distributed`` collective; see docs/collectives.md.
+"""
+
+from fdp.collectives._axis import axis_size as axis_size
+from fdp.collectives._ops import all_gather as all_gather
+from fdp.collectives._ops import all_to_all as all_to_all
+from fdp.collectives._ops import barrier as barrier
+from fdp.collectives._ops import broadcast as broadcast
+from fdp.collectives._ops import gather as gather
+from fdp.collectives._ops import permute as permute
+from fdp.collectives._ops import reduce as reduce
+from fdp.collectives._ops import reduce_scatter as reduce_scatter
+from fdp.collectives._ops import scatter as scatter
+from fdp.collectives._ops import shift as shift
+from fdp.collectives._reduce import ReduceOp as ReduceOp
+from fdp.collectives._reduce import all_reduce as all_reduce
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "axis_size",
+    "barrier",
+    "broadcast",
+    "gather",
+    "permute",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "shift",
+]

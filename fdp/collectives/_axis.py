@@ -1,0 +1,83 @@
+"""Checks shared by the collectives: the axis is bound, ranks are in range."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+AxisName = str
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Size of a bound mapped axis, with an error that says how to bind it.
+
+    Args:
+      axis_name: a mesh axis name bound by an enclosing ``jax.shard_map`` (or a
+        ``jax.pmap`` axis name).
+
+    Returns:
+      The number of devices along ``axis_name``.
+
+    Raises:
+      NameError: ``axis_name`` is not bound here.
+    """
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError as err:
+        raise NameError(
+            f"axis_name={axis_name!r} is not a bound mesh axis here. fdp collectives "
+            "run inside jax.shard_map (or jax.pmap) over a mesh with that axis; pass "
+            "the data axis name of your mesh, e.g. axis_name='data'."
+        ) from err
+
+
+def check_rank(rank: int, axis_name: AxisName, name: str) -> int:
+    """Validates a static rank along ``axis_name``.
+
+    Args:
+      rank: the rank (index along the axis) to validate.
+      axis_name: the mapped axis.
+      name: the argument's name, for the message.
+
+    Returns:
+      ``rank`` as an ``int``.
+
+    Raises:
+      TypeError: ``rank`` is not a Python integer.
+      ValueError: ``rank`` is outside ``[0, axis size)``.
+    """
+    size = axis_size(axis_name)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{name} must be a Python int rank, got {rank!r}.")
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"{name}={rank} is out of range for axis {axis_name!r} of size {size}; "
+            f"expected 0 <= {name} < {size}."
+        )
+    return rank
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes along which ``x`` varies, as recorded in its type.
+
+    jax 0.10.2 keeps them in ``aval.manual_axis_type.varying``; earlier releases
+    called the field ``aval.vma``.
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def is_varying(x: jax.Array, axis_name: AxisName) -> bool | None:
+    """Whether ``x`` varies along ``axis_name``; ``None`` when JAX does not track it.
+
+    ``jax.shard_map(check_vma=True)`` records in each value's type the axes it
+    varies over. Under ``check_vma=False`` or ``pmap`` nothing is recorded, which
+    we recognise because even ``axis_index`` then carries no axis.
+    """
+    if axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
+        return None
+    return axis_name in varying_axes(x)
