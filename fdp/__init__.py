@@ -1,0 +1,38 @@
+"""fdp: PyTorch DDP's behaviour for JAX, as a functional pipeline.
+
+grad -> bucket -> all-reduce -> update, on a ``jax`` device mesh.
+"""
+
+from fdp import bucketing as bucketing
+from fdp import collectives as collectives
+from fdp._hlo import CollectiveStats as CollectiveStats
+from fdp._hlo import collective_stats as collective_stats
+from fdp._nnx_step import NNXDataParallelStep as NNXDataParallelStep
+from fdp._nnx_step import nnx_train_step as nnx_train_step
+from fdp._placement import DATA_AXIS as DATA_AXIS
+from fdp._placement import data_mesh as data_mesh
+from fdp._placement import replicate as replicate
+from fdp._placement import shard_batch as shard_batch
+from fdp._reduction import reduce_gradients as reduce_gradients
+from fdp._step import DataParallelStep as DataParallelStep
+from fdp._step import train_step as train_step
+from fdp._version import __version__ as __version__
+from fdp.bucketing import plan_buckets as plan_buckets
+
+__all__ = [
+    "CollectiveStats",
+    "DATA_AXIS",
+    "DataParallelStep",
+    "NNXDataParallelStep",
+    "__version__",
+    "bucketing",
+    "collective_stats",
+    "collectives",
+    "data_mesh",
+    "nnx_train_step",
+    "plan_buckets",
+    "reduce_gradients",
+    "replicate",
+    "shard_batch",
+    "train_step",
+]

@@ -1,0 +1,227 @@
+"""Counting the collectives of a lowered or compiled program, with their bytes.
+
+XLA regroups collectives (the CPU compiler merges every all-reduce of a step into
+one; the GPU combiner merges up to a threshold), so what a program really does is
+read from its text: the lowered StableHLO shows what fdp emitted, the compiled HLO
+what the platform's compiler made of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any
+
+_HLO_BITS = {
+    "pred": 8,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "s32": 32,
+    "u32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "f8e4m3fn": 8,
+    "f8e5m2": 8,
+}
+_MLIR_BITS = {
+    "i1": 8,
+    "i4": 4,
+    "ui4": 4,
+    "i8": 8,
+    "ui8": 8,
+    "i16": 16,
+    "ui16": 16,
+    "i32": 32,
+    "ui32": 32,
+    "i64": 64,
+    "ui64": 64,
+    "f16": 16,
+    "bf16": 16,
+    "f32": 32,
+    "f64": 64,
+    "complex<f32>": 64,
+    "complex<f64>": 128,
+    "f8E4M3FN": 8,
+    "f8E5M2": 8,
+}
+_HLO_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_MLIR_OPS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "collective_permute": "collective-permute",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op.
+
+    Attributes:
+      kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
+        ``collective-permute``.
+      dtypes: element type of each result (HLO spelling, e.g. ``f32``, ``bf16``).
+      shapes: shape of each result, per device.
+      nbytes: bytes of all results, per device.
+      replica_groups: the replica groups as written in the program.
+    """
+
+    kind: str
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    nbytes: int
+    replica_groups: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveStats:
+    """The collectives of one program.
+
+    Attributes:
+      source: ``"stablehlo"`` (lowered: what fdp emitted) or ``"hlo"``
+        (compiled: what XLA made of it).
+      ops: every collective, in program order.
+    """
+
+    source: str
+    ops: tuple[Collective, ...]
+
+    def count(self, kind: str = "all-reduce") -> int:
+        """Number of ``kind`` ops."""
+        return sum(op.kind == kind for op in self.ops)
+
+    def nbytes(self, kind: str = "all-reduce") -> int:
+        """Per-device result bytes over all ``kind`` ops."""
+        return sum(op.nbytes for op in self.ops if op.kind == kind)
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """``{kind: {"count": n, "bytes": b}}`` for every kind present."""
+        out: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+        for op in self.ops:
+            out[op.kind]["count"] += 1
+            out[op.kind]["bytes"] += op.nbytes
+        return dict(out)
+
+
+def _hlo_ops(text: str) -> list[Collective]:
+    ops = []
+    pattern = re.compile(
+        r"=\s*(?P<types>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_HLO_OPS) + r")(?:-start)?\("
+    )
+    for line in text.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        shapes, dtypes, nbytes = [], [], 0
+        for dt, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", m["types"]):
+            if dt not in _HLO_BITS:
+                continue
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            shapes.append(shape)
+            dtypes.append(dt)
+            nbytes += math.prod(shape) * _HLO_BITS[dt] // 8
+        groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)
+        ops.append(
+            Collective(m["op"], tuple(dtypes), tuple(shapes), nbytes, groups[1] if groups else "")
+        )
+    return ops
+
+
+def _mlir_types(signature: str) -> list[tuple[str, tuple[int, ...]]]:
+    results = signature.split("->", 1)[1] if "->" in signature else signature
+    out = []
+    for body in re.findall(r"tensor<([^>]*(?:<[^>]*>)?)>", results):
+        *dims, dt = body.split("x") if "x" in body and body[0].isdigit() else ["", body]
+        dt = dt.split(",")[0]
+        out.append((dt, tuple(int(d) for d in dims if d)))
+    return out
+
+
+_MLIR_TO_HLO = {
+    "i1": "pred",
+    "i8": "s8",
+    "ui8": "u8",
+    "i16": "s16",
+    "ui16": "u16",
+    "i32": "s32",
+    "ui32": "u32",
+    "i64": "s64",
+    "ui64": "u64",
+    "complex<f32>": "c64",
+    "complex<f64>": "c128",
+}
+
+
+def _stablehlo_ops(text: str) -> list[Collective]:
+    ops = []
+    lines = text.splitlines()
+    op_re = re.compile(r'"?stablehlo\.(' + "|".join(_MLIR_OPS) + r')"?[\s(]')
+    for i, line in enumerate(lines):
+        m = op_re.search(line)
+        if not m:
+            continue
+        signature = line
+        if line.rstrip().endswith("({"):  # the op has a region; its types close it
+            depth = 0
+            for j in range(i, len(lines)):
+                depth += lines[j].count("({") - lines[j].count("})")
+                if depth == 0:
+                    signature = lines[j]
+                    break
+        dtypes, shapes, nbytes = [], [], 0
+        for dt, shape in _mlir_types(signature):
+            dtypes.append(_MLIR_TO_HLO.get(dt, dt))
+            shapes.append(shape)
+            nbytes += math.prod(shape) * _MLIR_BITS.get(dt, 32) // 8
+        groups = re.search(r"replica_groups = dense<(.*?)>", line)
+        ops.append(
+            Collective(
+                _MLIR_OPS[m[1]], tuple(dtypes), tuple(shapes), nbytes, groups[1] if groups else ""
+            )
+        )
+    return ops
+
+
+def collective_stats(program: Any) -> CollectiveStats:
+    """Lists the collectives of a program with their per-device bytes.
+
+    Args:
+      program: a ``jax.stages.Lowered`` (its StableHLO: what was emitted), a
+        ``jax.stages.Compiled`` (its optimised HLO: what runs), or the text of
+        either.
+
+    Returns:
+      A :class:`CollectiveStats`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
+      >>> x = jax.device_put(jnp.ones(16), jax.NamedSharding(mesh, P("data")))
+      >>> stats = collective_stats(f.lower(x))
+      >>> stats.count("all-reduce"), stats.nbytes("all-reduce")
+      (1, 8)
+    """
+    if not isinstance(program, str):
+        text = program.as_text()
+        if text is None:
+            raise ValueError("the program has no text to read collectives from.")
+        program = text
+    if "stablehlo." in program or "func.func" in program:
+        return CollectiveStats("stablehlo", tuple(_stablehlo_ops(program)))
+    return CollectiveStats("hlo", tuple(_hlo_ops(program)))
