@@ -1,0 +1,36 @@
+"""The Quick start demo and the fdp command line, run as a user runs them."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(*args, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout, check=False,
+    )
+
+
+def test_demo_trains_to_high_held_out_accuracy():
+    out = run("examples/train_digits.py", "--epochs", "12", "--min-accuracy", "0.95")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "8 cpu device(s), mesh {'data': 8}" in out.stdout
+    acc = float(re.search(r"held-out accuracy: ([\d.]+) on 360 images", out.stdout)[1])
+    assert acc >= 0.95
+
+
+def test_demo_rejects_a_batch_that_does_not_split():
+    out = run("examples/train_digits.py", "--batch-size", "100")
+    assert out.returncode == 2
+    assert "--batch-size must be a multiple of the 8 devices" in out.stderr
+
+
+def test_cli_version():
+    out = run("-m", "fdp", "version")
+    assert out.returncode == 0 and re.fullmatch(r"fdp \d+\.\d+\.\d+\n", out.stdout)
