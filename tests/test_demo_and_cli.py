@@ -12,8 +12,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def run(*args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=timeout, check=False,
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

@@ -1,0 +1,130 @@
+"""Benchmark models: an MLP, a small CNN and a ~10M-parameter transformer."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+class MLP(nn.Module):
+    width: int = 1024
+    depth: int = 8
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(self.classes)(x)
+
+
+class CNN(nn.Module):
+    """A small CNN; with ``norm=True`` it carries BatchNorm statistics."""
+
+    classes: int = 10
+    norm: bool = False
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        for feat in (32, 64, 128):
+            x = nn.Conv(feat, (3, 3))(x)
+            if self.norm:
+                x = nn.BatchNorm(use_running_average=not train)(x)
+            x = nn.relu(x)
+            x = nn.avg_pool(x, (2, 2), (2, 2))
+        x = x.reshape(x.shape[0], -1)
+        return nn.Dense(self.classes)(nn.relu(nn.Dense(256)(x)))
+
+
+class Block(nn.Module):
+    dim: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads)(
+            h, h, mask=nn.make_causal_mask(x[..., 0])
+        )
+        x = x + h
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(4 * self.dim)(h)
+        return x + nn.Dense(self.dim)(nn.gelu(h))
+
+
+class Transformer(nn.Module):
+    vocab: int = 4096
+    dim: int = 384
+    depth: int = 6
+    heads: int = 6
+    seq: int = 64
+
+    @nn.compact
+    def __call__(self, tokens, train=True):
+        x = nn.Embed(self.vocab, self.dim)(tokens)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.dim))
+        for _ in range(self.depth):
+            x = Block(self.dim, self.heads)(x)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    """A model, its batch maker and its loss."""
+
+    name: str
+    module: nn.Module
+    make_batch: Callable[[int, int], dict[str, np.ndarray]]
+    tx: Callable[[], optax.GradientTransformation]
+
+    def init_params(self, seed: int = 0) -> Any:
+        batch = self.make_batch(1, seed)
+        return self.module.init(jax.random.key(seed), batch["x"])["params"]
+
+    def loss_fn(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        logits = self.module.apply({"params": params}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _images(shape: tuple[int, ...], classes: int) -> Callable[[int, int], dict[str, np.ndarray]]:
+    def make(n: int, seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return {
+            "x": rng.normal(size=(n, *shape)).astype(np.float32),
+            "y": rng.integers(0, classes, size=(n,)).astype(np.int32),
+        }
+
+    return make
+
+
+def _tokens(seq: int, vocab: int) -> Callable[[int, int], dict[str, np.ndarray]]:
+    def make(n: int, seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        tok = rng.integers(0, vocab, size=(n, seq + 1)).astype(np.int32)
+        return {"x": tok[:, :-1], "y": tok[:, 1:]}
+
+    return make
+
+
+BENCHES = {
+    "mlp": Bench("mlp", MLP(), _images((1024,), 10), lambda: optax.sgd(0.01)),
+    "cnn": Bench("cnn", CNN(), _images((32, 32, 3), 10), lambda: optax.adam(1e-3)),
+    "transformer": Bench(
+        "transformer", Transformer(), _tokens(64, 4096), lambda: optax.adamw(1e-3)
+    ),
+}
+
+
+def param_count(params: Any) -> int:
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+
+def as_jnp(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in batch.items()}
