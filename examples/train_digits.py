@@ -25,7 +25,6 @@ import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax.training.train_state import TrainState  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -60,6 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--comm-hook",
+        default="allreduce",
+        choices=sorted(fdp.hooks.HOOKS),
+        help="comm hook applied to every gradient bucket",
+    )
+    parser.add_argument("--powersgd-rank", type=int, default=2)
+    parser.add_argument(
+        "--powersgd-start",
+        type=int,
+        default=10,
+        help="plain all-reduce steps before PowerSGD compresses",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--min-accuracy",
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     model = MLP()
     params = model.init(jax.random.key(args.seed), jnp.zeros((1, 64)))["params"]
     state = fdp.replicate(
-        TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(args.lr)), mesh
+        fdp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(args.lr)), mesh
     )
 
     def loss_fn(params, batch):
@@ -90,7 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
 
-    step = fdp.train_step(loss_fn, mesh=mesh, has_aux=True, bucket_cap_mb=args.bucket_cap_mb)
+    hook = args.comm_hook
+    if hook in ("powersgd", "batched_powersgd"):
+        hook = fdp.hooks.HOOKS[hook](
+            matrix_approximation_rank=args.powersgd_rank, start_powersgd_iter=args.powersgd_start
+        )
+    step = fdp.train_step(
+        loss_fn, mesh=mesh, has_aux=True, bucket_cap_mb=args.bucket_cap_mb, comm_hook=hook
+    )
 
     @jax.jit
     def accuracy(params, x, y):
@@ -113,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
 
     plan = step.plan
-    print(f"buckets: {len(plan.buckets)} ({', '.join(f'{b.nbytes} B' for b in plan.buckets)})")
+    print(
+        f"buckets: {len(plan.buckets)} ({', '.join(f'{b.nbytes} B' for b in plan.buckets)}), "
+        f"comm hook {step.config.comm_hook.name}"
+    )
     acc = float(accuracy(state.params, test["x"], test["y"]))
     print(f"trained {args.epochs * steps_per_epoch} steps in {elapsed:.1f} s")
     print(f"held-out accuracy: {acc:.4f} on {len(test['y'])} images")

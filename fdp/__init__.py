@@ -5,6 +5,7 @@ grad -> bucket -> all-reduce -> update, on a ``jax`` device mesh.
 
 from fdp import bucketing as bucketing
 from fdp import collectives as collectives
+from fdp import hooks as hooks
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
 from fdp._nnx_step import NNXDataParallelStep as NNXDataParallelStep
@@ -16,6 +17,7 @@ from fdp._placement import shard_batch as shard_batch
 from fdp._reduction import reduce_gradients as reduce_gradients
 from fdp._step import DataParallelStep as DataParallelStep
 from fdp._step import train_step as train_step
+from fdp._train_state import TrainState as TrainState
 from fdp._version import __version__ as __version__
 from fdp.bucketing import plan_buckets as plan_buckets
 
@@ -24,11 +26,13 @@ __all__ = [
     "DATA_AXIS",
     "DataParallelStep",
     "NNXDataParallelStep",
+    "TrainState",
     "__version__",
     "bucketing",
     "collective_stats",
     "collectives",
     "data_mesh",
+    "hooks",
     "nnx_train_step",
     "plan_buckets",
     "reduce_gradients",

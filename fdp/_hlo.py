@@ -85,6 +85,30 @@ class Collective:
     nbytes: int
     replica_groups: str
 
+    @property
+    def group_size(self) -> int:
+        """Devices in each replica group (1 when the program names none)."""
+        groups = re.findall(r"[\[{]([\d,\s]+)[\]}]", self.replica_groups)
+        return max((len(g.replace(" ", "").split(",")) for g in groups), default=1)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes each device sends for this op with the usual ring algorithms.
+
+        all-reduce ``2 (g-1)/g x B``; all-gather ``(g-1)/g x B`` (B: the gathered
+        result); reduce-scatter ``(g-1) x B`` (B: the scattered result);
+        all-to-all ``(g-1)/g x B``; collective-permute ``B``.
+        """
+        g = self.group_size
+        factor = {
+            "all-reduce": 2 * (g - 1) / g,
+            "all-gather": (g - 1) / g,
+            "reduce-scatter": g - 1,
+            "all-to-all": (g - 1) / g,
+            "collective-permute": 1,
+        }[self.kind]
+        return factor * self.nbytes
+
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveStats:
@@ -106,6 +130,13 @@ class CollectiveStats:
     def nbytes(self, kind: str = "all-reduce") -> int:
         """Per-device result bytes over all ``kind`` ops."""
         return sum(op.nbytes for op in self.ops if op.kind == kind)
+
+    def sent_bytes(self) -> float:
+        """Bytes each device sends over all collectives (ring estimate).
+
+        See :attr:`Collective.sent_bytes`.
+        """
+        return sum(op.sent_bytes for op in self.ops)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """``{kind: {"count": n, "bytes": b}}`` for every kind present."""

@@ -2,126 +2,30 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from fdp._placement import DATA_AXIS, check_axis, data_mesh
-from fdp._reduction import Layout, check_layout, plan_for, reduce_gradients
-from fdp.bucketing import BucketPlan, cap_limits
-
-LossFn = Callable[..., Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Settings shared by the Linen and NNX steps.
-
-    Attributes:
-      mesh: the device mesh.
-      axis_name: its data axis.
-      bucket_cap_mb: bucket cap in MiB.
-      first_bucket_cap_mb: first-bucket cap in MiB.
-      has_aux: whether the loss function returns ``(loss, aux)``.
-      donate: donate the state's buffers to the step.
-      layout: how buckets are reduced (see :func:`fdp.reduce_gradients`).
-    """
-
-    mesh: Mesh
-    axis_name: str
-    bucket_cap_mb: float
-    first_bucket_cap_mb: float
-    has_aux: bool
-    donate: bool
-    layout: Layout = "leaves"
-
-    @property
-    def num_replicas(self) -> int:
-        """Devices along the data axis."""
-        return int(self.mesh.shape[self.axis_name])
-
-
-def make_config(
-    mesh: Mesh | None,
-    axis_name: str,
-    bucket_cap_mb: float,
-    first_bucket_cap_mb: float,
-    has_aux: bool,
-    donate: bool,
-    layout: Layout,
-) -> StepConfig:
-    """Validates the step settings eagerly, so mistakes surface at construction."""
-    mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
-    check_axis(mesh, axis_name)
-    cap_limits(bucket_cap_mb, first_bucket_cap_mb)
-    check_layout(layout)
-    return StepConfig(mesh, axis_name, bucket_cap_mb, first_bucket_cap_mb, has_aux, donate, layout)
-
-
-def constrain_batch(batch: Any, cfg: StepConfig) -> Any:
-    """Shards the global batch over the data axis, checking it splits evenly."""
-    n = cfg.num_replicas
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = jnp.shape(leaf)
-        if not shape or shape[0] % n:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has shape {shape}; its "
-                f"leading (batch) size must be divisible by the {n} devices of axis "
-                f"{cfg.axis_name!r}. Use a batch size that is a multiple of {n}."
-            )
-    sharding = NamedSharding(cfg.mesh, P(cfg.axis_name))
-    if cfg.mesh.axis_types[cfg.mesh.axis_names.index(cfg.axis_name)] == AxisType.Explicit:
-        return jax.reshard(batch, sharding)
-    return jax.lax.with_sharding_constraint(batch, sharding)
-
-
-def call_loss(loss_fn: LossFn, has_aux: bool, *args: Any) -> tuple[jax.Array, Any]:
-    """Calls the user's loss and checks that it returned a scalar."""
-    out = loss_fn(*args)
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(
-                "loss_fn was declared has_aux=True and must return (loss, aux); got "
-                f"{type(out).__name__}."
-            )
-        loss, aux = out
-    else:
-        loss, aux = out, None
-    if jnp.shape(loss) != () or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-        raise TypeError(
-            "loss_fn must return the mean loss over the local batch as a float scalar; got "
-            f"{jnp.result_type(loss)}{list(jnp.shape(loss))}. Reduce it with .mean()"
-            + ("" if has_aux else ", or pass has_aux=True if it returns (loss, aux)")
-            + "."
-        )
-    return loss, aux
-
-
-def reduce_metrics(loss: jax.Array, aux: Any, axis_name: str) -> dict[str, Any]:
-    """Loss and aux averaged over the data axis (integer and bool aux leaves summed)."""
-
-    def reduce_leaf(x: Any) -> jax.Array:
-        x = jnp.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jax.lax.pmean(x, axis_name)
-        return jax.lax.psum(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
-
-    metrics = {"loss": jax.lax.pmean(loss, axis_name)}
-    if aux is not None:
-        metrics["aux"] = jax.tree.map(reduce_leaf, aux)
-    return metrics
-
-
-def device_rng(rng: jax.Array | None, axis_name: str) -> jax.Array | None:
-    """A different key per device, as each DDP rank draws its own dropout masks."""
-    if rng is None:
-        return None
-    return jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+from fdp._placement import DATA_AXIS
+from fdp._step_common import (
+    LossFn,
+    StepConfig,
+    add_device_axis,
+    call_loss,
+    constrain_batch,
+    device_rng,
+    has_leaves,
+    make_config,
+    per_device,
+    reduce_metrics,
+    strip_device_axis,
+)
+from fdp.bucketing import BucketPlan, plan_for
+from fdp.hooks import CommHook, PeriodicModelAverager, reduce_with_hook
+from fdp.hooks._contract import Layout
 
 
 class DataParallelStep:
@@ -136,32 +40,119 @@ class DataParallelStep:
         self.loss_fn = loss_fn
         self.config = cfg
         self.plan: BucketPlan | None = None
+        self._hook_has_state: bool | None = None
         self._jitted = jax.jit(self._global_step, donate_argnums=(0,) if cfg.donate else ())
+        self._jitted_stack = jax.jit(self._stack)
+        self._jitted_hook_init = jax.jit(self._hook_init)
+
+    # -- state preparation (once, before the first step) ---------------------------
+
+    def _local_params(self, params: Any) -> Any:
+        """Parameters as one device sees them (per-device state has a device axis)."""
+        if self.config.per_device_state:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), params)
+        return params
+
+    def _plan(self, params: Any) -> BucketPlan:
+        cfg = self.config
+        local = self._local_params(params)
+        self.plan = plan_for(local, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+        return self.plan
+
+    def _stack(self, state: Any) -> Any:
+        """One copy of a replicated state per device, stacked on the data axis."""
+        cfg = self.config
+        return jax.shard_map(
+            add_device_axis,
+            mesh=cfg.mesh,
+            in_specs=P(),
+            out_specs=P(cfg.axis_name),
+            axis_names={cfg.axis_name},
+            check_vma=False,
+        )(state)
+
+    def _hook_init(self, params: Any) -> Any:
+        """The comm hook's state, initialised from the parameters on every device."""
+        cfg = self.config
+        plan = self._plan(params)
+
+        def local(params: Any) -> Any:
+            params = strip_device_axis(params) if cfg.per_device_state else params
+            return add_device_axis(cfg.comm_hook.init(params, plan))
+
+        return jax.shard_map(
+            local,
+            mesh=cfg.mesh,
+            in_specs=P(cfg.axis_name) if cfg.per_device_state else P(),
+            out_specs=P(cfg.axis_name),
+            axis_names={cfg.axis_name},
+            check_vma=False,
+        )(params)
+
+    def _needs_init(self, state: Any) -> bool:
+        if self._hook_has_state is None:
+            return True
+        if self.config.per_device_state and jnp.ndim(state.step) == 0:
+            return True
+        return self._hook_has_state and getattr(state, "comm_state", None) is None
+
+    def init(self, state: Any) -> Any:
+        """Prepares ``state`` for this step: hook state, and per-device copies if needed.
+
+        The step does this by itself when needed; call it to checkpoint or
+        inspect the prepared state before training. With a hook whose replicas
+        diverge (``noop``, ``post_local_sgd``) every leaf gains a leading device
+        axis; with a stateful hook ``state.comm_state`` is filled in.
+        """
+        cfg = self.config
+        _check_state(state)
+        if cfg.per_device_state and jnp.ndim(state.step) == 0:
+            stacked = self._jitted_stack(_without_comm(state))
+            state = _with_comm(stacked, getattr(state, "comm_state", None))
+        plan = self._plan(state.params)
+        shape = jax.eval_shape(
+            lambda p: cfg.comm_hook.init(p, plan), self._local_params(state.params)
+        )
+        self._hook_has_state = has_leaves(shape)
+        if self._hook_has_state:
+            if not hasattr(state, "comm_state"):
+                raise TypeError(
+                    f"comm hook {cfg.comm_hook.name!r} keeps state between steps; use "
+                    "fdp.TrainState (flax's TrainState with a comm_state field) instead of "
+                    f"{type(state).__module__}.{type(state).__qualname__}."
+                )
+            if state.comm_state is None:
+                state = state.replace(comm_state=self._jitted_hook_init(state.params))
+        return state
+
+    # -- the step ---------------------------------------------------------------------
 
     def _global_step(self, state: Any, batch: Any, rng: Any) -> tuple[Any, dict[str, Any]]:
         cfg = self.config
-        if not (hasattr(state, "params") and hasattr(state, "apply_gradients")):
-            raise TypeError(
-                "state must be a flax.training.train_state.TrainState (something with "
-                f".params and .apply_gradients), got {type(state).__name__}. For Flax NNX "
-                "use fdp.nnx_train_step."
-            )
-        self.plan = plan_for(state.params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+        _check_state(state)
+        self._plan(state.params)
         batch = constrain_batch(batch, cfg)
+        comm = getattr(state, "comm_state", None)
+        state_spec = P(cfg.axis_name) if cfg.per_device_state else P()
         local = jax.shard_map(
             self._local_step,
             mesh=cfg.mesh,
-            in_specs=(P(), P(cfg.axis_name), P()),
-            out_specs=(P(), P()),
+            in_specs=(state_spec, P(cfg.axis_name), P(cfg.axis_name), P()),
+            out_specs=(state_spec, P(cfg.axis_name), P()),
             axis_names={cfg.axis_name},
+            check_vma=cfg.comm_hook.vma_safe,
         )
-        return local(state, batch, rng)
+        core, comm, metrics = local(_without_comm(state), comm, batch, rng)
+        return _with_comm(core, comm), metrics
 
-    def _local_step(self, state: Any, batch: Any, rng: Any) -> tuple[Any, dict[str, Any]]:
+    def _local_step(
+        self, state: Any, comm: Any, batch: Any, rng: Any
+    ) -> tuple[Any, Any, dict[str, Any]]:
         cfg = self.config
-        # Per-device parameters, so that jax.grad gives per-device gradients and
-        # the one reduction is ours (the double-reduction trap in docs/design.md).
-        params = jax.lax.pcast(state.params, cfg.axis_name, to="varying")
+        if cfg.per_device_state:
+            state = strip_device_axis(state)
+        hook_state = () if comm is None else strip_device_axis(comm)
+        params = per_device(state.params, cfg.axis_name)
         rng = device_rng(rng, cfg.axis_name)
         extra = () if rng is None else (rng,)
 
@@ -169,16 +160,52 @@ class DataParallelStep:
             return call_loss(self.loss_fn, cfg.has_aux, p, batch, *extra)
 
         (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        grads = reduce_gradients(grads, axis_name=cfg.axis_name, plan=self.plan, layout=cfg.layout)
-        return state.apply_gradients(grads=grads), reduce_metrics(loss, aux, cfg.axis_name)
+        grads, hook_state = reduce_with_hook(
+            cfg.comm_hook,
+            hook_state,
+            grads,
+            axis_name=cfg.axis_name,
+            plan=self.plan,
+            layout=cfg.layout,
+            params=state.params,
+        )
+        new_state = state.apply_gradients(grads=grads)
+        if cfg.model_averager is not None:
+            averaged = cfg.model_averager.average(new_state.params, state.step, cfg.axis_name)
+            new_state = new_state.replace(params=averaged)
+        if cfg.per_device_state:
+            new_state = add_device_axis(new_state)
+        new_comm = None if comm is None else add_device_axis(hook_state)
+        return new_state, new_comm, reduce_metrics(loss, aux, cfg.axis_name)
 
     def __call__(self, state: Any, batch: Any, rng: Any = None) -> tuple[Any, dict[str, Any]]:
         """Runs one step: ``(state, batch[, rng]) -> (state, metrics)``."""
+        if self._needs_init(state):
+            state = self.init(state)
         return self._jitted(state, batch, rng)
 
     def lower(self, state: Any, batch: Any, rng: Any = None) -> Any:
         """The lowered step (``.as_text()``, ``.compile()``), without running it."""
-        return self._jitted.lower(state, batch, rng)
+        return self._jitted.lower(self.init(state), batch, rng)
+
+
+def _check_state(state: Any) -> None:
+    if not (hasattr(state, "params") and hasattr(state, "apply_gradients")):
+        raise TypeError(
+            "state must be a flax.training.train_state.TrainState (something with "
+            f".params and .apply_gradients), got {type(state).__name__}. For Flax NNX "
+            "use fdp.nnx_train_step."
+        )
+
+
+def _without_comm(state: Any) -> Any:
+    return (
+        state.replace(comm_state=None) if getattr(state, "comm_state", None) is not None else state
+    )
+
+
+def _with_comm(state: Any, comm: Any) -> Any:
+    return state.replace(comm_state=comm) if comm is not None else state
 
 
 def train_step(
@@ -191,13 +218,15 @@ def train_step(
     has_aux: bool = False,
     donate: bool = True,
     layout: Layout = "leaves",
+    comm_hook: CommHook | str | None = None,
+    model_averager: PeriodicModelAverager | None = None,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
 
     The step computes per-device gradients of ``loss_fn`` on each device's share
-    of the batch, averages them over the data axis in DDP's buckets, and applies
-    them with ``state.apply_gradients``. The result equals one step on the whole
-    batch on one device.
+    of the batch, reduces them over the data axis in DDP's buckets (by default
+    their mean), and applies them with ``state.apply_gradients``. With the
+    default hook the result equals one step on the whole batch on one device.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` (or ``loss_fn(params, batch, rng)``
@@ -213,13 +242,18 @@ def train_step(
       donate: donate the input state's buffers (it must not be used after).
       layout: ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed bucket
         buffers); see :func:`fdp.reduce_gradients`.
+      comm_hook: a :class:`fdp.hooks.CommHook` or a hook name (default: the
+        mean all-reduce). Hooks with state need :class:`fdp.TrainState`.
+      model_averager: a :class:`fdp.hooks.PeriodicModelAverager` that averages
+        parameters over the data axis periodically (post-local SGD).
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,
       where ``metrics['loss']`` is the loss averaged over all devices.
 
     Raises:
-      ValueError: the mesh has no ``axis_name`` axis, or a cap is not positive.
+      ValueError: the mesh has no ``axis_name`` axis, a cap is not positive, or
+        an unknown hook name.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -236,7 +270,16 @@ def train_step(
       >>> float(metrics["loss"]), [round(float(w), 4) for w in state.params["w"]]
       (1.0, [0.2, 0.2])
     """
-    cfg = make_config(mesh, axis_name, bucket_cap_mb, first_bucket_cap_mb, has_aux, donate, layout)
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}.")
+    cfg = make_config(
+        loss_fn,
+        mesh=mesh,
+        axis_name=axis_name,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        has_aux=has_aux,
+        donate=donate,
+        layout=layout,
+        comm_hook=comm_hook,
+        model_averager=model_averager,
+    )
     return DataParallelStep(loss_fn, cfg)

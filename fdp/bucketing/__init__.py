@@ -12,6 +12,7 @@ from fdp.bucketing._plan import assign_buckets as assign_buckets
 from fdp.bucketing._plan import cap_limits as cap_limits
 from fdp.bucketing._plan import has_gradient as has_gradient
 from fdp.bucketing._plan import plan_buckets as plan_buckets
+from fdp.bucketing._plan import plan_for as plan_for
 
 __all__ = [
     "Bucket",
@@ -24,6 +25,7 @@ __all__ = [
     "has_gradient",
     "pack",
     "plan_buckets",
+    "plan_for",
     "unflatten_buckets",
     "unpack",
 ]

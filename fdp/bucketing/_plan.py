@@ -11,6 +11,7 @@ earliest-ready gradient each contains.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -273,6 +274,35 @@ def plan_buckets(
         bucket_cap_bytes=limits[-1],
         first_bucket_cap_bytes=limits[0],
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(
+    treedef: Any,
+    shapes: tuple[tuple[int, ...], ...],
+    dtypes: tuple[np.dtype, ...],
+    bucket_cap_mb: float,
+    first_bucket_cap_mb: float,
+) -> BucketPlan:
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    return plan_buckets(
+        jax.tree.unflatten(treedef, structs),
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+    )
+
+
+def plan_for(
+    tree: Any, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0
+) -> BucketPlan:
+    """:func:`plan_buckets` memoised on the tree's structure, shapes and dtypes.
+
+    Steps call it at trace time; equal trees share one plan object.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
+    dtypes = tuple(_leaf_meta(x)[1] for x in leaves)
+    return _cached_plan(treedef, shapes, dtypes, bucket_cap_mb, first_bucket_cap_mb)
 
 
 def _check_indices(indices: Sequence[int], n: int, name: str) -> set[int]:

@@ -1,0 +1,46 @@
+"""Comm hooks: what happens to each gradient bucket (DDP's ``ddp_comm_hooks``).
+
+A hook is ``CommHook(name, init, reduce)``: ``init(params, plan)`` builds its state,
+``reduce(state, bucket)`` returns the reduced bucket and the new state. See
+docs/comm-hooks.md.
+"""
+
+from fdp.hooks._apply import reduce_with_hook as reduce_with_hook
+from fdp.hooks._basic import allreduce as allreduce
+from fdp.hooks._basic import bf16_compress as bf16_compress
+from fdp.hooks._basic import bf16_compress_wrapper as bf16_compress_wrapper
+from fdp.hooks._basic import fp16_compress as fp16_compress
+from fdp.hooks._basic import fp16_compress_wrapper as fp16_compress_wrapper
+from fdp.hooks._basic import noop as noop
+from fdp.hooks._contract import CommHook as CommHook
+from fdp.hooks._contract import GradBucket as GradBucket
+from fdp.hooks._local_sgd import PeriodicModelAverager as PeriodicModelAverager
+from fdp.hooks._local_sgd import post_local_sgd as post_local_sgd
+from fdp.hooks._powersgd import PowerSGDConfig as PowerSGDConfig
+from fdp.hooks._powersgd import batched_powersgd as batched_powersgd
+from fdp.hooks._powersgd import powersgd as powersgd
+from fdp.hooks._quantize import quantize_per_channel as quantize_per_channel
+from fdp.hooks._quantize import quantize_per_tensor as quantize_per_tensor
+from fdp.hooks._registry import HOOKS as HOOKS
+from fdp.hooks._registry import resolve as resolve
+
+__all__ = [
+    "HOOKS",
+    "CommHook",
+    "GradBucket",
+    "PeriodicModelAverager",
+    "PowerSGDConfig",
+    "allreduce",
+    "batched_powersgd",
+    "bf16_compress",
+    "bf16_compress_wrapper",
+    "fp16_compress",
+    "fp16_compress_wrapper",
+    "noop",
+    "post_local_sgd",
+    "powersgd",
+    "quantize_per_channel",
+    "quantize_per_tensor",
+    "reduce_with_hook",
+    "resolve",
+]

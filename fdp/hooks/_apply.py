@@ -1,0 +1,92 @@
+"""Running a comm hook over every bucket of a gradient tree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from fdp.bucketing import BucketPlan, check_tree, plan_for
+from fdp.collectives import axis_size
+from fdp.collectives._axis import AxisName, is_varying
+from fdp.hooks._contract import CommHook, GradBucket, HookState, Layout, as_leaves, check_layout
+
+
+def check_not_reduced(leaves: list[Any], plan: BucketPlan, axis_name: AxisName) -> None:
+    """Raises if bucketed gradients are already reduced over ``axis_name``.
+
+    Inside ``shard_map`` with ``check_vma=True``, ``jax.grad`` with respect to
+    replicated parameters sums the cotangents over the axis by itself; reducing
+    again would scale the gradient by the axis size.
+    """
+    for bucket in plan.buckets:
+        for i, path in zip(bucket.leaf_indices, bucket.key_paths, strict=True):
+            if is_varying(leaves[i], axis_name) is False:
+                raise ValueError(
+                    f"gradient {path or 'grads'} is already reduced over {axis_name!r}: it was "
+                    "taken with respect to parameters replicated over that axis, so "
+                    "jax.grad summed it across devices. Reducing it again would multiply "
+                    "it by the axis size. Before jax.grad, make the parameters per-device "
+                    f"with jax.lax.pcast(params, {axis_name!r}, to='varying') (what "
+                    "fdp.train_step does), or run the shard_map with check_vma=False."
+                )
+
+
+def reduce_with_hook(
+    hook: CommHook,
+    state: HookState,
+    grads: Any,
+    *,
+    axis_name: AxisName = "data",
+    plan: BucketPlan | None = None,
+    layout: Layout = "leaves",
+    params: Any = None,
+) -> tuple[Any, HookState]:
+    """Reduces per-device gradients bucket by bucket with ``hook``.
+
+    Buckets are handed to the hook in bucket-index order; the last one has
+    ``is_last=True``. Call it inside ``jax.shard_map`` (or ``jax.pmap``).
+
+    Args:
+      hook: the comm hook.
+      state: the hook's state for this device (from ``hook.init``).
+      grads: this device's gradients (see :func:`fdp.reduce_gradients`).
+      axis_name: the data axis.
+      plan: the bucket plan; built from ``grads`` with DDP's default caps when
+        omitted.
+      layout: the step's layout, passed to the hook in each bucket.
+      params: the parameters, exposed to the hook as ``bucket.parameters``.
+
+    Returns:
+      ``(reduced_grads, new_state)``. Leaves in no bucket come back as float0.
+
+    Raises:
+      ValueError: the gradients are already reduced (the double-reduction
+        trap), do not match the plan, or the hook returns the wrong shape/dtype.
+    """
+    axis_size(axis_name)
+    check_layout(layout)
+    plan = plan_for(grads) if plan is None else plan
+    leaves = check_tree(plan, grads, "grads")
+    check_not_reduced(leaves, plan, axis_name)
+    param_leaves = None if params is None else jax.tree.leaves(params)
+    # Leaves in no bucket have no gradient: float0 constants, replicated by nature.
+    out = [np.zeros(plan.leaf_shapes[i], jax.dtypes.float0) for i in range(len(leaves))]
+    last = len(plan.buckets) - 1
+    for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
+        grad_bucket = GradBucket(
+            bucket,
+            [leaves[i] for i in bucket.leaf_indices],
+            is_last=bucket.index == last,
+            axis_name=axis_name,
+            layout=layout,
+            parameters=None
+            if param_leaves is None
+            else [param_leaves[i] for i in bucket.leaf_indices],
+        )
+        with jax.named_scope(f"fdp_bucket_{bucket.index}"):
+            result, state = hook.reduce(state, grad_bucket)
+        for i, leaf in zip(bucket.leaf_indices, as_leaves(hook, grad_bucket, result), strict=True):
+            out[i] = leaf
+    return jax.tree.unflatten(plan.treedef, out), state

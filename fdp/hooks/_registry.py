@@ -1,0 +1,51 @@
+"""Comm hooks by name, for ``comm_hook="bf16_compress"`` and command lines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fdp.hooks._basic import allreduce, bf16_compress, fp16_compress, noop
+from fdp.hooks._contract import CommHook
+from fdp.hooks._powersgd import batched_powersgd, powersgd
+from fdp.hooks._quantize import quantize_per_channel, quantize_per_tensor
+
+HOOKS: dict[str, Callable[[], CommHook]] = {
+    "allreduce": allreduce,
+    "noop": noop,
+    "fp16_compress": fp16_compress,
+    "bf16_compress": bf16_compress,
+    "quantize_per_tensor": quantize_per_tensor,
+    "quantize_per_channel": quantize_per_channel,
+    "powersgd": powersgd,
+    "batched_powersgd": batched_powersgd,
+}
+
+
+def resolve(hook: CommHook | str | None) -> CommHook:
+    """A :class:`CommHook` from a hook, its name (with default settings), or None.
+
+    Raises:
+      ValueError: an unknown name.
+      TypeError: neither a name nor a CommHook.
+
+    Example:
+      >>> resolve("bf16_compress").name
+      'bf16_compress'
+      >>> resolve(None).name
+      'allreduce'
+    """
+    if hook is None:
+        return allreduce()
+    if isinstance(hook, CommHook):
+        return hook
+    if isinstance(hook, str):
+        if hook not in HOOKS:
+            raise ValueError(
+                f"comm_hook={hook!r} is not a known hook; known names: {', '.join(HOOKS)}. "
+                "For settings (or post_local_sgd), pass a hook object, e.g. "
+                "fdp.hooks.powersgd(matrix_approximation_rank=2)."
+            )
+        return HOOKS[hook]()
+    raise TypeError(
+        f"comm_hook must be a fdp.hooks.CommHook or a hook name, got {type(hook).__name__}."
+    )
