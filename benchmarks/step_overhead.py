@@ -8,9 +8,14 @@ one process (each round runs every variant, in rotating order):
   jit     plain jax.jit with NamedSharding: XLA inserts the gradient all-reduce
   pmean   shard_map with one pmean per gradient leaf
 
-For each model it reports the median step time, fdp's time over jit's (median of
-the per-round ratios), the all-reduces of the compiled program (count, bytes), and
-the compiled temp memory (``memory_analysis``).
+With ``--accumulate K`` (default 4) it adds gradient accumulation over K
+micro-batches: ``fdp.train_step(accumulate_steps=K)`` against plain jit scanning over
+stacked micro-batches (where GSPMD keeps an all-reduce inside the loop).
+
+For each model it reports the median step time, the time over the baseline's (jit,
+or jit with accumulation; median of the per-round ratios), the all-reduces of the
+compiled program (count, how many sit inside a loop, bytes), and the compiled temp
+memory (``memory_analysis``) with its ratio to the baseline's.
 
     python benchmarks/step_overhead.py --json benchmarks/results/step_overhead.json
 """
@@ -35,8 +40,11 @@ def setup_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def build(bench, mesh, global_batch, bucket_cap_mb):
+def build(bench, mesh, global_batch, bucket_cap_mb, accumulate):
+    """name -> (step, batch, baseline name) for every variant."""
+    import jax.numpy as jnp
     from flax.training.train_state import TrainState
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import fdp
@@ -63,9 +71,41 @@ def build(bench, mesh, global_batch, bucket_cap_mb):
         jax.shard_map(local_pmean, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())),
         donate_argnums=0,
     )
-    variants = {"fdp": fdp_step, "fdp-flat": fdp_flat, "jit": jit_step, "pmean": pmean_step}
-    states = {name: fdp.replicate(state, mesh) for name in variants}
-    return variants, states, batch, params
+    variants = {
+        "fdp": (fdp_step, batch, "jit"),
+        "fdp-flat": (fdp_flat, batch, "jit"),
+        "jit": (jit_step, batch, "jit"),
+        "pmean": (pmean_step, batch, "jit"),
+    }
+    if accumulate > 1:
+        k = accumulate
+        big = bench.make_batch(global_batch * k, 1)
+        fdp_acc = fdp.train_step(
+            bench.loss_fn, mesh=mesh, bucket_cap_mb=bucket_cap_mb, accumulate_steps=k
+        )
+
+        # The plain-JAX way: micro-batches stacked on a leading axis, a scan that
+        # sums gradients, GSPMD placing the gradient all-reduce.
+        @functools.partial(jax.jit, donate_argnums=0)
+        def jit_acc(state, micro):
+            def body(acc, mb):
+                loss, g = jax.value_and_grad(bench.loss_fn)(state.params, mb)
+                return (jax.tree.map(jnp.add, acc[0], g), acc[1] + loss), None
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            (acc, loss), _ = jax.lax.scan(body, (zeros, 0.0), micro)
+            grads = jax.tree.map(lambda a: a / k, acc)
+            return state.apply_gradients(grads=grads), {"loss": loss / k}
+
+        micro = jax.tree.map(
+            lambda x: jax.device_put(
+                x.reshape(k, global_batch, *x.shape[1:]), NamedSharding(mesh, P(None, "data"))
+            ),
+            big,
+        )
+        variants[f"fdp K={k}"] = (fdp_acc, fdp.shard_batch(big, mesh), f"jit K={k}")
+        variants[f"jit K={k}"] = (jit_acc, micro, f"jit K={k}")
+    return variants, state, params
 
 
 def analyse(step, state, batch) -> dict:
@@ -77,6 +117,7 @@ def analyse(step, state, batch) -> dict:
     return {
         "all_reduce_count": stats.count("all-reduce"),
         "all_reduce_bytes": stats.nbytes("all-reduce"),
+        "loop_all_reduces": fdp.loop_collectives(compiled).count("all-reduce"),
         "other_collectives": {k: v for k, v in stats.summary().items() if k != "all-reduce"},
         "temp_bytes": int(mem.temp_size_in_bytes),
         "argument_bytes": int(mem.argument_size_in_bytes),
@@ -93,7 +134,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     mesh = fdp.data_mesh()
     n = mesh.shape["data"]
     global_batch = args.batch_per_device * n
-    variants, states, batch, params = build(bench, mesh, global_batch, args.bucket_cap_mb)
+    variants, state, params = build(bench, mesh, global_batch, args.bucket_cap_mb, args.accumulate)
+    states = {v: fdp.replicate(state, mesh) for v in variants}
 
     result = {
         "model": name,
@@ -101,7 +143,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         "global_batch": global_batch,
         "variants": {},
     }
-    for vname, step in variants.items():
+    for vname, (step, batch, _) in variants.items():
         result["variants"][vname] = analyse(step, states[vname], batch)
         for _ in range(args.warmup):
             states[vname], _ = step(states[vname], batch)
@@ -112,24 +154,27 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for vname in order:
-            step = variants[vname]
+            step, batch, _ = variants[vname]
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 states[vname], _ = step(states[vname], batch)
             jax.block_until_ready(states[vname])
             times[vname].append((time.perf_counter() - t0) / args.steps)
-    for vname in names:
-        result["variants"][vname]["median_step_s"] = statistics.median(times[vname])
-        result["variants"][vname]["step_s"] = times[vname]
-        ratios = [a / b for a, b in zip(times[vname], times["jit"], strict=True)]
-        result["variants"][vname]["ratio_to_jit"] = statistics.median(ratios)
+    for vname, (_, _, base) in variants.items():
+        v = result["variants"][vname]
+        v["median_step_s"] = statistics.median(times[vname])
+        v["step_s"] = times[vname]
+        v["baseline"] = base
+        ratios = [a / b for a, b in zip(times[vname], times[base], strict=True)]
+        v["ratio_to_baseline"] = statistics.median(ratios)
+        v["temp_vs_baseline"] = v["temp_bytes"] / max(result["variants"][base]["temp_bytes"], 1)
     return result
 
 
 def print_table(results: list[dict]) -> None:
     header = (
-        f"{'model':<12}{'params':>11}{'variant':>10}{'step ms':>10}{'/ jit':>8}"
-        f"{'all-reduces':>13}{'AR MiB':>9}{'temp MiB':>10}"
+        f"{'model':<12}{'params':>11}{'variant':>10}{'step ms':>10}{'/ base':>8}"
+        f"{'all-reduces':>13}{'in loop':>9}{'AR MiB':>9}{'temp MiB':>10}{'temp/base':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -137,9 +182,10 @@ def print_table(results: list[dict]) -> None:
         for vname, v in res["variants"].items():
             print(
                 f"{res['model']:<12}{res['params']:>11,}{vname:>10}"
-                f"{1e3 * v['median_step_s']:>10.2f}{v['ratio_to_jit']:>8.3f}"
-                f"{v['all_reduce_count']:>13}{v['all_reduce_bytes'] / 2**20:>9.2f}"
-                f"{v['temp_bytes'] / 2**20:>10.2f}"
+                f"{1e3 * v['median_step_s']:>10.2f}{v['ratio_to_baseline']:>8.3f}"
+                f"{v['all_reduce_count']:>13}{v['loop_all_reduces']:>9}"
+                f"{v['all_reduce_bytes'] / 2**20:>9.2f}{v['temp_bytes'] / 2**20:>10.2f}"
+                f"{v['temp_vs_baseline']:>11.3f}"
             )
 
 
@@ -152,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=4,
+        help="also compare gradient accumulation over this many micro-batches (1: skip)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     setup_devices(args.devices)

@@ -256,3 +256,115 @@ def collective_stats(program: Any) -> CollectiveStats:
     if "stablehlo." in program or "func.func" in program:
         return CollectiveStats("stablehlo", tuple(_stablehlo_ops(program)))
     return CollectiveStats("hlo", tuple(_hlo_ops(program)))
+
+
+def _functions(text: str) -> dict[str, str]:
+    """StableHLO function bodies by name (top-level ``func.func``)."""
+    out: dict[str, str] = {}
+    name, body, depth = None, [], 0
+    for line in text.splitlines():
+        m = re.match(r"\s*func\.func (?:public |private )?@([\w.$-]+)\(", line)
+        if name is None and m:
+            name, body, depth = m[1], [], 0
+        if name is not None:
+            body.append(line)
+            depth += line.count("{") - line.count("}")
+            if depth <= 0 and "}" in line:
+                out[name] = "\n".join(body)
+                name = None
+    return out
+
+
+def _loop_regions(text: str) -> list[str]:
+    regions, inside, depth, body = [], False, 0, []
+    for line in text.splitlines():
+        if not inside and "stablehlo.while" in line:
+            inside, depth, body = True, 0, []
+        if inside:
+            body.append(line)
+            depth += line.count("{") - line.count("}")
+            if depth <= 0 and "}" in line:
+                regions.append("\n".join(body))
+                inside = False
+    return regions
+
+
+def _hlo_computations(text: str) -> dict[str, str]:
+    """Compiled-HLO computations by name."""
+    out: dict[str, str] = {}
+    name, body = None, []
+    for line in text.splitlines():
+        m = re.match(r"(?:ENTRY )?%([\w.-]+) \(.*\{\s*$", line)
+        if name is None and m:
+            name, body = m[1], []
+            continue
+        if name is not None:
+            if line.startswith("}"):
+                out[name] = "\n".join(body)
+                name = None
+            else:
+                body.append(line)
+    return out
+
+
+def _hlo_loop_collectives(text: str) -> CollectiveStats:
+    comps = _hlo_computations(text)
+    todo = re.findall(r" while\(.*?body=%([\w.-]+)", text)
+    seen: set[str] = set()
+    ops: list[Collective] = []
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        ops.extend(_hlo_ops(comps[name]))
+        todo.extend(
+            re.findall(
+                r"(?:to_apply|body|condition|calls|branch_computations)=\{?%([\w.-]+)", comps[name]
+            )
+        )
+    return CollectiveStats("hlo", tuple(ops))
+
+
+def loop_collectives(lowered: Any) -> CollectiveStats:
+    """The collectives a program runs inside loops (``while``/``scan``).
+
+    Loop bodies often call other functions or computations; those are
+    followed, transitively.
+
+    Args:
+      lowered: a ``jax.stages.Lowered`` (its StableHLO), a
+        ``jax.stages.Compiled`` (its HLO), or the text of either.
+
+    Returns:
+      The :class:`CollectiveStats` of the collectives inside loop bodies (counted
+      once per appearance in the program, not per iteration).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> f = jax.shard_map(
+      ...     lambda x: jax.lax.scan(lambda c, y: (c + jax.lax.psum(y, "data"), None), 0.0, x)[0],
+      ...     mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> x = jax.device_put(jnp.ones(24), jax.NamedSharding(mesh, P("data")))
+      >>> loop_collectives(jax.jit(f).lower(x)).count("all-reduce")
+      1
+    """
+    text = lowered if isinstance(lowered, str) else lowered.as_text()
+    if "stablehlo." not in text and "func.func" not in text:
+        return _hlo_loop_collectives(text)
+    functions = _functions(text)
+    seen: set[str] = set()
+    pieces = _loop_regions(text)
+    todo = [name for piece in pieces for name in re.findall(r"func\.call @([\w.$-]+)", piece)]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in functions:
+            continue
+        seen.add(name)
+        pieces.append(functions[name])
+        todo.extend(re.findall(r"func\.call @([\w.$-]+)", functions[name]))
+    return CollectiveStats(
+        "stablehlo", tuple(op for piece in pieces for op in _stablehlo_ops(piece))
+    )

@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from fdp._local_grads import local_gradients
 from fdp._placement import DATA_AXIS
 from fdp._step_common import (
     LossFn,
     StepConfig,
     add_device_axis,
     call_loss,
-    constrain_batch,
     has_leaves,
     make_config,
     per_device,
+    prepare_batch,
     reduce_metrics,
     strip_device_axis,
+    sync_buffers,
 )
+from fdp._unused import ParamUsage, analyse_usage, keep_untouched
 from fdp.bucketing import BucketPlan, plan_for
-from fdp.collectives import broadcast
-from fdp.collectives._axis import is_varying
 from fdp.hooks import CommHook, reduce_with_hook
 from fdp.hooks._contract import Layout
 
@@ -33,30 +36,20 @@ class CommState(nnx.Variable):
     """A comm hook's state on an ``nnx.Optimizer`` (one copy per device, stacked)."""
 
 
-def _sync_state(state: Any, axis_name: str) -> Any:
-    """Variables a forward pass changed per device take device 0's values.
-
-    This is DDP's ``broadcast_buffers``: batch statistics come from rank 0.
-    """
-
-    def leaf(x: Any) -> Any:
-        return broadcast(x, 0, axis_name=axis_name) if is_varying(x, axis_name) else x
-
-    return jax.tree.map(leaf, state)
-
-
 class NNXDataParallelStep:
     """A compiled data-parallel step for Flax NNX; build it with :func:`nnx_train_step`.
 
-    Call it as ``metrics = step(model, optimizer, batch)``: like ``nnx.jit``
-    steps, it updates ``model`` and ``optimizer`` in place. A stateful comm
-    hook keeps its state on the optimizer as ``optimizer.fdp_comm_state``.
+    Call it as ``metrics = step(model, optimizer, batch[, mask])``: like
+    ``nnx.jit`` steps, it updates ``model`` and ``optimizer`` in place. A
+    stateful comm hook keeps its state on the optimizer as
+    ``optimizer.fdp_comm_state``.
     """
 
     def __init__(self, loss_fn: LossFn, cfg: StepConfig):
         self.loss_fn = loss_fn
         self.config = cfg
         self.plan: BucketPlan | None = None
+        self.usage: ParamUsage | None = None
         self._jitted = jax.jit(
             self._global_step, static_argnums=(0,), donate_argnums=(1, 2) if cfg.donate else ()
         )
@@ -74,88 +67,147 @@ class NNXDataParallelStep:
             check_vma=False,
         )(params)
 
-    def init(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
-        """Gives ``optimizer`` the comm hook's state, if the hook keeps any."""
+    def init(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None) -> None:
+        """Gives ``optimizer`` the comm hook's state, and reads the parameter usage."""
         if not isinstance(optimizer, nnx.Optimizer):
             raise TypeError(
                 f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. "
                 "For a Linen TrainState use fdp.train_step."
             )
-        if hasattr(optimizer, "fdp_comm_state"):
-            return
         cfg = self.config
         params = nnx.state(model, optimizer.wrt)
+        if batch is not None and self.usage is None:
+            self.usage = self._analyse(model, optimizer, batch)
+        if hasattr(optimizer, "fdp_comm_state"):
+            return
         plan = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
         if has_leaves(jax.eval_shape(lambda p: cfg.comm_hook.init(p, plan), params)):
             optimizer.fdp_comm_state = CommState(self._jitted_hook_init(params))
 
+    def _analyse(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> ParamUsage:
+        cfg = self.config
+        model_def, params, rest = nnx.split(model, optimizer.wrt, ...)
+        split = cfg.num_replicas * cfg.accumulate_steps
+        local = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                (max(1, jnp.shape(x)[0] // split), *jnp.shape(x)[1:]), jnp.result_type(x)
+            ),
+            batch,
+        )
+
+        def loss_of(p: Any, b: Any, r: Any) -> Any:
+            return self.loss_fn(nnx.merge(model_def, p, r, copy=True), b)
+
+        usage = analyse_usage(
+            loss_of, params, local, rest, axis_env=[(cfg.axis_name, cfg.num_replicas)]
+        )
+        if usage.unused and not cfg.find_unused_parameters:
+            warnings.warn(
+                "These parameters do not take part in producing the loss, so they get zero "
+                "gradients and the optimizer still updates them (momentum, weight decay): "
+                f"{', '.join(usage.unused_key_paths)}. Pass find_unused_parameters=True to "
+                "leave them and their optimizer state untouched, as DDP does.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return usage
+
     def _global_step(
-        self, graphdef: Any, comm: Any, state: Any, batch: Any
+        self, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
     ) -> tuple[Any, Any, dict[str, Any]]:
         cfg = self.config
-        batch = constrain_batch(batch, cfg)
+        batch, mask = prepare_batch(batch, mask, cfg)
         local = jax.shard_map(
-            lambda c, s, b: self._local_step(graphdef, c, s, b),
+            lambda c, s, b, m: self._local_step(graphdef, c, s, b, m),
             mesh=cfg.mesh,
-            in_specs=(P(cfg.axis_name), P(), P(cfg.axis_name)),
+            in_specs=(P(cfg.axis_name), P(), P(cfg.axis_name), P(cfg.axis_name)),
             out_specs=(P(cfg.axis_name), P(), P()),
             axis_names={cfg.axis_name},
             check_vma=cfg.comm_hook.vma_safe,
         )
-        return local(comm, state, batch)
+        return local(comm, state, batch, mask)
 
     def _local_step(
-        self, graphdef: Any, comm: Any, state: Any, batch: Any
+        self, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
     ) -> tuple[Any, Any, dict[str, Any]]:
         cfg = self.config
         model, optimizer = nnx.merge(graphdef, strip_device_axis(comm), state)
         model_def, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
-        self.plan = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-        # Per-device parameters (so the reduction is ours, not jax.grad's) and
-        # per-device random streams (so each device draws its own dropout masks).
-        local_params = per_device(params, cfg.axis_name)
+        usage = self.usage
+        unused = usage.unused if (cfg.find_unused_parameters and usage is not None) else ()
+        track = usage.conditional if (cfg.find_unused_parameters and usage is not None) else ()
+        self.plan = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, unused)
+        # Per-device random streams, so each device draws its own dropout masks.
         index = jax.lax.axis_index(cfg.axis_name)
         local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
 
-        def loss_of(p: Any) -> tuple[jax.Array, Any]:
+        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
+            del key
             # copy=True: fresh Variables at this trace level, which the forward
             # pass may mutate (batch statistics, rng counters).
-            m = nnx.merge(model_def, p, local_keys, rest, copy=True)
-            loss, aux = call_loss(self.loss_fn, cfg.has_aux, m, batch)
-            return loss, (aux, nnx.split(m, optimizer.wrt, nnx.RngKey, ...)[3])
+            m = nnx.merge(model_def, p, local_keys, carry, copy=True)
+            loss, aux, _ = call_loss(self.loss_fn, cfg, False, m, micro)
+            return loss, aux, nnx.split(m, optimizer.wrt, nnx.RngKey, ...)[3]
 
-        (loss, (aux, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(local_params)
+        out = local_gradients(
+            objective,
+            per_device(params, cfg.axis_name),
+            batch,
+            rest,
+            axis_name=cfg.axis_name,
+            accumulate_steps=cfg.accumulate_steps,
+            accum_dtype=cfg.accum_dtype,
+            per_example=cfg.per_example,
+            mask=mask,
+            track=track,
+        )
         has_comm = hasattr(optimizer, "fdp_comm_state")
         hook_state = optimizer.fdp_comm_state.get_value() if has_comm else ()
         grads, hook_state = reduce_with_hook(
             cfg.comm_hook,
             hook_state,
-            grads,
+            out.grads,
             axis_name=cfg.axis_name,
             plan=self.plan,
             layout=cfg.layout,
             params=params,
         )
-        nnx.update(model, _sync_state(new_rest, cfg.axis_name))
+        nnx.update(model, sync_buffers(out.carry, cfg.buffers, cfg.axis_name))
+        old = (nnx.as_pure(params), nnx.as_pure(optimizer.opt_state))
         optimizer.update(model, grads)
+        if unused or track:
+            keep: list[Any] = [i in unused for i in range(len(usage.levels))]
+            if track:
+                used_anywhere = jax.lax.psum(out.used.astype(jnp.int32), cfg.axis_name) > 0
+                for j, i in enumerate(track):
+                    keep[i] = ~used_anywhere[j]
+            new = (nnx.as_pure(nnx.state(model, optimizer.wrt)), nnx.as_pure(optimizer.opt_state))
+            kept_params, kept_opt = keep_untouched(new, old, jax.tree.structure(old[0]), keep)
+            nnx.update(model, kept_params)
+            nnx.update(optimizer.opt_state, nnx.state(kept_opt))
         if has_comm:
             optimizer.fdp_comm_state.set_value(hook_state)
         comm_out, state_out = nnx.split((model, optimizer), CommState, ...)[1:]
-        return add_device_axis(comm_out), state_out, reduce_metrics(loss, aux, cfg.axis_name)
+        metrics = reduce_metrics(out.global_loss(cfg.axis_name), out.aux, cfg.axis_name)
+        return add_device_axis(comm_out), state_out, metrics
 
-    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict[str, Any]:
+    def __call__(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
+    ) -> dict[str, Any]:
         """Runs one step in place and returns the metrics."""
-        self.init(model, optimizer)
+        self.init(model, optimizer, batch)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
-        comm, state, metrics = self._jitted(graphdef, comm, state, batch)
+        comm, state, metrics = self._jitted(graphdef, comm, state, batch, mask)
         nnx.update((model, optimizer), comm, state)
         return metrics
 
-    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Any:
+    def lower(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
+    ) -> Any:
         """The lowered step, without running it."""
-        self.init(model, optimizer)
+        self.init(model, optimizer, batch)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
-        return self._jitted.lower(graphdef, comm, state, batch)
+        return self._jitted.lower(graphdef, comm, state, batch, mask)
 
 
 def nnx_train_step(
@@ -169,15 +221,20 @@ def nnx_train_step(
     donate: bool = True,
     layout: Layout = "leaves",
     comm_hook: CommHook | str | None = None,
+    accumulate_steps: int = 1,
+    accum_dtype: Any = None,
+    per_example: bool = False,
+    find_unused_parameters: bool = False,
+    buffers: str = "broadcast",
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
 
     Gradients are taken with respect to the optimizer's ``wrt`` variables
     (``nnx.Param`` by default), reduced over the data axis in DDP's buckets and
     applied with ``optimizer.update``. Other variables changed by the forward
-    pass (batch statistics) take device 0's values, like DDP's
-    ``broadcast_buffers``. Random streams (``nnx.Rngs``) draw different numbers
-    on each device.
+    pass (batch statistics) are kept in step as ``buffers`` says (device 0's by
+    default, like DDP's ``broadcast_buffers``). Random streams (``nnx.Rngs``)
+    draw different numbers on each device.
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning the mean loss over the local
@@ -192,6 +249,15 @@ def nnx_train_step(
       comm_hook: a :class:`fdp.hooks.CommHook` or a hook name. Hooks whose
         replicas diverge (``noop``, ``post_local_sgd``) need one model per
         device, which an NNX model object is not: use :func:`fdp.train_step`.
+      accumulate_steps: micro-batches per step, reduced once (``no_sync``).
+      accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
+      per_example: ``loss_fn`` returns one loss per example; uneven batches
+        are padded and masked, and ``mask=`` weighs examples.
+      find_unused_parameters: leave parameters that do not reach the loss, and
+        their optimizer state, untouched (see :func:`fdp.train_step`).
+      buffers: ``'broadcast'`` (device 0's batch statistics) or ``'mean'``
+        (averaged over the data axis). ``'local'`` needs one model per device:
+        use :func:`fdp.train_step`.
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.
@@ -224,7 +290,18 @@ def nnx_train_step(
         layout=layout,
         comm_hook=comm_hook,
         model_averager=None,
+        accumulate_steps=accumulate_steps,
+        accum_dtype=accum_dtype,
+        per_example=per_example,
+        find_unused_parameters=find_unused_parameters,
+        buffers=buffers,
     )
+    if cfg.buffers == "local":
+        raise ValueError(
+            "buffers='local' keeps batch statistics once per device, which an NNX model "
+            "object cannot hold; use fdp.train_step with a Linen TrainState, or "
+            "buffers='broadcast' / 'mean'."
+        )
     if cfg.per_device_state:
         raise ValueError(
             f"comm hook {cfg.comm_hook.name!r} lets replicas diverge, which needs one model "

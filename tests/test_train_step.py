@@ -162,7 +162,9 @@ def test_bad_input_is_a_clear_error():
         per_example(init, make_data(0, GLOBAL_BATCH))
     with pytest.raises(TypeError, match="state must be a flax.training.train_state.TrainState"):
         step(init.params, make_data(0, GLOBAL_BATCH))
-    with pytest.raises(TypeError, match="has_aux=True and must return"):
+    with pytest.raises(
+        TypeError, match=r"must return \(loss, aux\) since has_aux=True; got an arr"
+    ):
         fdp.train_step(loss_fn, has_aux=True, donate=False)(init, make_data(0, GLOBAL_BATCH))
     assert isinstance(init, TrainState)
 

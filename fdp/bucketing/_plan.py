@@ -283,17 +283,22 @@ def _cached_plan(
     dtypes: tuple[np.dtype, ...],
     bucket_cap_mb: float,
     first_bucket_cap_mb: float,
+    exclude: tuple[int, ...],
 ) -> BucketPlan:
     structs = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
     return plan_buckets(
         jax.tree.unflatten(treedef, structs),
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
+        exclude=exclude,
     )
 
 
 def plan_for(
-    tree: Any, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0
+    tree: Any,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+    exclude: Sequence[int] = (),
 ) -> BucketPlan:
     """:func:`plan_buckets` memoised on the tree's structure, shapes and dtypes.
 
@@ -302,7 +307,7 @@ def plan_for(
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
     dtypes = tuple(_leaf_meta(x)[1] for x in leaves)
-    return _cached_plan(treedef, shapes, dtypes, bucket_cap_mb, first_bucket_cap_mb)
+    return _cached_plan(treedef, shapes, dtypes, bucket_cap_mb, first_bucket_cap_mb, tuple(exclude))
 
 
 def _check_indices(indices: Sequence[int], n: int, name: str) -> set[int]:

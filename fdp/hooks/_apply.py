@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from fdp.bucketing import BucketPlan, check_tree, plan_for
+from fdp.bucketing import BucketPlan, check_tree, has_gradient, plan_for
 from fdp.collectives import axis_size
 from fdp.collectives._axis import AxisName, is_varying
 from fdp.hooks._contract import CommHook, GradBucket, HookState, Layout, as_leaves, check_layout
@@ -31,6 +32,13 @@ def check_not_reduced(leaves: list[Any], plan: BucketPlan, axis_name: AxisName) 
                     f"with jax.lax.pcast(params, {axis_name!r}, to='varying') (what "
                     "fdp.train_step does), or run the shard_map with check_vma=False."
                 )
+
+
+def _no_gradient(plan: BucketPlan, i: int) -> Any:
+    shape, dtype = plan.leaf_shapes[i], plan.leaf_dtypes[i]
+    if has_gradient(dtype):
+        return jnp.zeros(shape, dtype)
+    return np.zeros(shape, jax.dtypes.float0)
 
 
 def reduce_with_hook(
@@ -59,7 +67,8 @@ def reduce_with_hook(
       params: the parameters, exposed to the hook as ``bucket.parameters``.
 
     Returns:
-      ``(reduced_grads, new_state)``. Leaves in no bucket come back as float0.
+      ``(reduced_grads, new_state)``. Leaves in no bucket come back as zeros
+      (float0 for integer and bool leaves).
 
     Raises:
       ValueError: the gradients are already reduced (the double-reduction
@@ -71,8 +80,9 @@ def reduce_with_hook(
     leaves = check_tree(plan, grads, "grads")
     check_not_reduced(leaves, plan, axis_name)
     param_leaves = None if params is None else jax.tree.leaves(params)
-    # Leaves in no bucket have no gradient: float0 constants, replicated by nature.
-    out = [np.zeros(plan.leaf_shapes[i], jax.dtypes.float0) for i in range(len(leaves))]
+    # Leaves in no bucket get no gradient: zeros (float0 for integer leaves, as
+    # jax.grad gives them), constants and so replicated by nature.
+    out = [_no_gradient(plan, i) for i in range(len(leaves))]
     last = len(plan.buckets) - 1
     for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
         grad_bucket = GradBucket(

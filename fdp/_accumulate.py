@@ -1,0 +1,226 @@
+"""DDP's ``no_sync`` as an explicit pair: accumulate locally, then sync once.
+
+For training loops that do their own micro-batching::
+
+    acc = fdp.grad_accumulator(loss_fn)
+    grads = acc.init(state)
+    for micro_batch in micro_batches:
+        grads, _ = acc.accumulate(state, grads, micro_batch)   # no communication
+    state, metrics = acc.sync(state, grads)                    # one bucketed reduction
+
+``fdp.train_step(accumulate_steps=K)`` does the same inside one compiled step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from fdp._local_grads import accum_dtype_for
+from fdp._placement import DATA_AXIS
+from fdp._step_common import (
+    LossFn,
+    StepConfig,
+    add_device_axis,
+    call_loss,
+    device_rng,
+    make_config,
+    per_device,
+    prepare_batch,
+    strip_device_axis,
+)
+from fdp.bucketing import plan_for
+from fdp.hooks import CommHook, reduce_with_hook
+from fdp.hooks._contract import Layout
+
+
+class Accumulated(NamedTuple):
+    """Gradients summed on each device, with what is needed to average them.
+
+    Every leaf has a leading device axis sharded over the data axis.
+
+    Attributes:
+      grads: per-device sums of gradients (in the accumulation dtype).
+      loss: per-device sums of the loss (mean losses, or weighted per-example
+        losses).
+      weight: per-device number of micro-batches (mean losses) or of real
+        examples (per-example losses).
+    """
+
+    grads: Any
+    loss: jax.Array
+    weight: jax.Array
+
+
+class GradAccumulator:
+    """``init``, ``accumulate`` and ``sync``; build it with :func:`grad_accumulator`."""
+
+    def __init__(self, loss_fn: LossFn, cfg: StepConfig):
+        self.loss_fn = loss_fn
+        self.config = cfg
+        self._init = jax.jit(self._global_init)
+        self._accumulate = jax.jit(self._global_accumulate, donate_argnums=(1,))
+        self._sync = jax.jit(self._global_sync, donate_argnums=(0, 1) if cfg.donate else (1,))
+
+    def _map(self, fn: Any, in_specs: tuple, out_specs: Any, *args: Any) -> Any:
+        cfg = self.config
+        return jax.shard_map(
+            fn,
+            mesh=cfg.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names={cfg.axis_name},
+            check_vma=cfg.comm_hook.vma_safe,
+        )(*args)
+
+    def _global_init(self, params: Any) -> Accumulated:
+        cfg = self.config
+
+        def local(params: Any) -> Accumulated:
+            zeros = jax.tree.map(
+                lambda p: jnp.zeros(p.shape, accum_dtype_for(p.dtype, cfg.accum_dtype)), params
+            )
+            return add_device_axis(Accumulated(zeros, jnp.zeros(()), jnp.zeros(())))
+
+        return self._map(local, (P(),), P(cfg.axis_name), params)
+
+    def init(self, state: Any) -> Accumulated:
+        """Zero accumulators, one per device, for ``state.params``."""
+        return self._init(state.params)
+
+    def _global_accumulate(
+        self, state: Any, acc: Accumulated, batch: Any, rng: Any, mask: Any
+    ) -> tuple[Accumulated, jax.Array]:
+        cfg = self.config
+        batch, mask = prepare_batch(batch, mask, cfg)
+        axis = P(cfg.axis_name)
+
+        def local(state: Any, acc: Accumulated, batch: Any, rng: Any, mask: Any) -> tuple:
+            acc = strip_device_axis(acc)
+            key = device_rng(rng, cfg.axis_name)
+            extra = () if key is None else (key,)
+
+            def objective(p: Any) -> tuple[jax.Array, jax.Array]:
+                loss, _, _ = call_loss(self.loss_fn, cfg, False, p, batch, *extra)
+                if cfg.per_example:
+                    return jnp.sum(mask * loss), jnp.sum(mask)
+                return loss, jnp.ones(())
+
+            (loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(
+                per_device(state.params, cfg.axis_name)
+            )
+            summed = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc.grads, grads)
+            new = Accumulated(summed, acc.loss + loss, acc.weight + weight)
+            return add_device_axis(new), add_device_axis(loss)
+
+        return self._map(
+            local, (P(), axis, axis, P(), axis), (axis, axis), state, acc, batch, rng, mask
+        )
+
+    def accumulate(
+        self, state: Any, acc: Accumulated, batch: Any, rng: Any = None, mask: Any = None
+    ) -> tuple[Accumulated, jax.Array]:
+        """Adds the gradients of ``batch`` on every device, without communicating.
+
+        Returns:
+          The new accumulators (the old ones are donated) and every device's own
+          loss on its share of ``batch`` (a ``[devices]`` array, not averaged:
+          averaging would communicate).
+        """
+        return self._accumulate(state, acc, batch, rng, mask)
+
+    def _global_sync(self, state: Any, acc: Accumulated) -> tuple[Any, dict[str, Any]]:
+        cfg = self.config
+        plan = plan_for(state.params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+        if jax.tree.leaves(jax.eval_shape(lambda p: cfg.comm_hook.init(p, plan), state.params)):
+            raise ValueError(
+                f"comm hook {cfg.comm_hook.name!r} keeps state between steps, which "
+                "grad_accumulator does not carry; use fdp.train_step(accumulate_steps=...)."
+            )
+
+        def local(state: Any, acc: Accumulated) -> tuple:
+            acc = strip_device_axis(acc)
+            n = jax.lax.axis_size(cfg.axis_name)
+            total = jnp.maximum(jax.lax.psum(acc.weight, cfg.axis_name), 1.0)
+            # Weighted so that the mean over devices is the mean over all
+            # micro-batches (or all real examples).
+            scale = n / total if cfg.per_example else 1.0 / jnp.maximum(acc.weight, 1.0)
+            grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), acc.grads, state.params)
+            grads, _ = reduce_with_hook(
+                cfg.comm_hook, (), grads, axis_name=cfg.axis_name, plan=plan, layout=cfg.layout
+            )
+            # Mean losses: total counts micro-batches; per-example: real examples.
+            loss = jax.lax.psum(acc.loss, cfg.axis_name) / total
+            return state.apply_gradients(grads=grads), {"loss": loss}
+
+        return self._map(local, (P(), P(cfg.axis_name)), (P(), P()), state, acc)
+
+    def sync(self, state: Any, acc: Accumulated) -> tuple[Any, dict[str, Any]]:
+        """Averages the accumulated gradients over the data axis and applies them.
+
+        Returns:
+          The new state and ``{"loss": ...}``, the loss over everything
+          accumulated. The state (if ``donate``) and ``acc`` are donated.
+        """
+        return self._sync(state, acc)
+
+
+def grad_accumulator(
+    loss_fn: LossFn,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str = DATA_AXIS,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+    donate: bool = True,
+    layout: Layout = "leaves",
+    comm_hook: CommHook | str | None = None,
+    accum_dtype: Any = None,
+    per_example: bool = False,
+) -> GradAccumulator:
+    """DDP's ``no_sync`` as two steps: a local-gradient step and a sync step.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch[, rng])`` returning the mean loss over
+        the local batch, or one loss per example with ``per_example=True``.
+      mesh: the mesh (default: all devices on one ``'data'`` axis).
+      axis_name: the data axis.
+      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB), for the sync.
+      first_bucket_cap_mb: cap of the first bucket (MiB).
+      donate: donate the state to ``sync``.
+      layout: ``'leaves'`` or ``'flat'`` (see :func:`fdp.reduce_gradients`).
+      comm_hook: a stateless comm hook for the sync (default: the mean).
+      accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
+      per_example: ``loss_fn`` returns one loss per example; ``mask=`` weighs them.
+
+    Returns:
+      A :class:`GradAccumulator`.
+
+    Raises:
+      ValueError: a hook whose replicas diverge; ``sync`` raises for a hook
+        that keeps state (use ``fdp.train_step(accumulate_steps=...)``).
+    """
+    cfg = make_config(
+        loss_fn,
+        mesh=mesh,
+        axis_name=axis_name,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        has_aux=False,
+        donate=donate,
+        layout=layout,
+        comm_hook=comm_hook,
+        model_averager=None,
+        accum_dtype=accum_dtype,
+        per_example=per_example,
+    )
+    if cfg.per_device_state:
+        raise ValueError(
+            f"comm hook {cfg.comm_hook.name!r} lets replicas diverge; grad_accumulator keeps "
+            "one replicated state. Use fdp.train_step(accumulate_steps=...) instead."
+        )
+    return GradAccumulator(loss_fn, cfg)

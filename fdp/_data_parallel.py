@@ -1,0 +1,63 @@
+"""``fdp.data_parallel``: DataParallel for inference, uneven batches allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from fdp._placement import DATA_AXIS, check_axis, data_mesh
+
+
+def data_parallel(
+    fn: Callable[[Any, Any], Any], *, mesh: Mesh | None = None, axis_name: str = DATA_AXIS
+) -> Callable[[Any, Any], Any]:
+    """Applies ``fn(params, batch)`` to a large batch across devices (DataParallel).
+
+    The batch is split along its leading axis over the data axis (padded by
+    repeating its last row when it does not split evenly), ``fn`` runs on every
+    device's share with the same ``params``, and the outputs are gathered back
+    in order with the padding dropped. ``fn`` must work row by row: each output
+    leaf has the batch's leading axis.
+
+    Args:
+      fn: ``fn(params, local_batch) -> outputs``.
+      mesh: the mesh (default: all devices on one ``'data'`` axis).
+      axis_name: its data axis.
+
+    Returns:
+      A jitted ``apply(params, batch) -> outputs``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> apply = data_parallel(lambda w, x: x @ w)
+      >>> apply(jnp.ones((3, 2)), jnp.ones((13, 3))).shape
+      (13, 2)
+    """
+    mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
+    n = check_axis(mesh, axis_name)
+    mapped = jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(P(), P(axis_name)),
+        out_specs=P(axis_name),
+        axis_names={axis_name},
+    )
+
+    @jax.jit
+    def apply(params: Any, batch: Any) -> Any:
+        sizes = {jnp.shape(x)[0] for x in jax.tree.leaves(batch)}
+        if len(sizes) != 1:
+            raise ValueError(f"batch leaves must share one leading size, got {sorted(sizes)}.")
+        (size,) = sizes
+        pad = -size % n
+        padded = jax.tree.map(
+            lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), mode="edge"), batch
+        )
+        return jax.tree.map(lambda y: y[:size], mapped(params, padded))
+
+    return apply

@@ -1,0 +1,169 @@
+"""A device's gradient of its share of the batch, with no communication.
+
+This is DDP's ``no_sync``: ``K`` micro-batches are scanned, their gradients summed
+locally (in float32 for 16-bit parameters), and nothing crosses devices until the
+one bucketed reduction that follows.
+
+The objective each device differentiates is weighted so that the *mean over
+devices* of the local gradients is the gradient of the loss over the whole batch:
+
+- ``per_example=False``: the loss function returns the mean loss of its
+  micro-batch; each micro-batch weighs ``1/K``.
+- ``per_example=True``: it returns one loss per example; a device's objective is
+  ``N * sum(mask * loss) / total``, with ``total`` the number of real (unmasked)
+  examples over all devices, so padding and empty devices weigh nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fdp._unused import nonzero_flags
+from fdp.hooks._contract import vary
+
+# objective(params, micro_batch, carry, rng) -> (loss, aux, new_carry); ``loss`` is a
+# scalar mean, or one value per example with per_example=True.
+Objective = Callable[[Any, Any, Any, Any], tuple[jax.Array, Any, Any]]
+
+
+@dataclasses.dataclass
+class LocalGrads:
+    """What one device computed.
+
+    Attributes:
+      grads: the weighted local gradients (their device-mean is the full-batch
+        gradient), in the parameters' dtypes.
+      loss: this device's part of the loss: its mean loss, or (per-example)
+        its sum of weighted losses. :meth:`global_loss` reduces it.
+      total: per-example mode: real examples over all devices; else None.
+      aux: aux values combined over micro-batches (floats averaged, integers
+        summed), not yet reduced over devices.
+      carry: the model state carried through the micro-batches (buffers).
+      used: for each tracked leaf, whether some micro-batch gave it a non-zero
+        gradient on this device.
+    """
+
+    grads: Any
+    loss: jax.Array
+    total: jax.Array | None
+    aux: Any
+    carry: Any
+    used: jax.Array
+
+    def global_loss(self, axis_name: str) -> jax.Array:
+        """The loss over the whole batch (a collective: call it after the buckets)."""
+        if self.total is None:
+            return jax.lax.pmean(self.loss, axis_name)
+        return jax.lax.psum(self.loss, axis_name) / self.total
+
+
+def accum_dtype_for(dtype: Any, accum_dtype: Any = None) -> jnp.dtype:
+    """The accumulation dtype: ``accum_dtype``, else float32 for 16-bit floats."""
+    if accum_dtype is not None:
+        return jnp.dtype(accum_dtype)
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def split_micro_batches(batch: Any, k: int) -> Any:
+    """``[K*B, ...]`` leaves as ``[K, B, ...]`` (micro-batch ``i`` is rows ``iB:(i+1)B``)."""
+    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+
+def _combine_aux(stacked: Any, k: int) -> Any:
+    if k == 1:
+        return jax.tree.map(lambda x: x[0], stacked)
+
+    def leaf(x: jax.Array) -> jax.Array:
+        return x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)
+
+    return jax.tree.map(leaf, stacked)
+
+
+def local_gradients(
+    objective: Objective,
+    params: Any,
+    batch: Any,
+    carry: Any,
+    *,
+    axis_name: str,
+    accumulate_steps: int = 1,
+    accum_dtype: Any = None,
+    per_example: bool = False,
+    mask: jax.Array | None = None,
+    rng: jax.Array | None = None,
+    track: Sequence[int] = (),
+) -> LocalGrads:
+    """Scans the micro-batches of this device's batch and sums their gradients.
+
+    Args:
+      objective: the per-micro-batch loss (see ``Objective``).
+      params: per-device (varying) parameters.
+      batch: this device's batch, leading size divisible by ``accumulate_steps``.
+      carry: model state threaded through the micro-batches (or ``None``).
+      axis_name: the data axis (for the global example count and metrics).
+      accumulate_steps: number of micro-batches K.
+      accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
+      per_example: the objective returns one loss per example.
+      mask: this device's ``[K*B]`` weights (per-example mode), 1 for real
+        examples and 0 for padding.
+      rng: this device's key, folded with the micro-batch index when K > 1.
+      track: indices of parameter leaves whose run-time use is recorded.
+
+    Returns:
+      A :class:`LocalGrads`.
+    """
+    k = accumulate_steps
+    n = jax.lax.axis_size(axis_name)
+    leaves, treedef = jax.tree.flatten(params)
+    dtypes = [jnp.result_type(x) for x in leaves]
+    acc_dtypes = [accum_dtype_for(d, accum_dtype) for d in dtypes]
+    if per_example:
+        size = jax.tree.leaves(batch)[0].shape[0]
+        local_mask = jnp.ones((size,), jnp.float32) if mask is None else mask
+        total = jnp.maximum(jax.lax.psum(jnp.sum(local_mask), axis_name), 1.0)
+        micro_masks = local_mask.reshape(k, -1)
+    else:
+        micro_masks, total = jnp.zeros((k, 0)), None
+
+    def micro(state: tuple, xs: tuple) -> tuple[tuple, Any]:
+        acc, carry, loss_acc, used = state
+        index, micro_batch, micro_mask = xs
+        # One micro-batch uses the device's key as is; several fold in their index.
+        micro_rng = rng if rng is None or k == 1 else jax.random.fold_in(rng, index)
+
+        def weighted(p: Any) -> tuple[jax.Array, tuple]:
+            loss, aux, new_carry = objective(p, micro_batch, carry, micro_rng)
+            if per_example:
+                loss_sum = jnp.sum(micro_mask * loss)
+                return loss_sum * n / total, (loss_sum, aux, new_carry)
+            return loss / k, (loss / k, aux, new_carry)
+
+        (_, (loss_part, aux, carry)), grads = jax.value_and_grad(weighted, has_aux=True)(params)
+        grad_leaves = jax.tree.leaves(grads)
+        acc = [a + g.astype(a.dtype) for a, g in zip(acc, grad_leaves, strict=True)]
+        used = used | nonzero_flags([grad_leaves[i] for i in track])
+        return (acc, carry, loss_acc + loss_part, used), aux
+
+    acc0 = [jnp.zeros(jnp.shape(x), d) for x, d in zip(leaves, acc_dtypes, strict=True)]
+    # The scan carry changes per device: type it device-varying from the start.
+    state0 = vary(
+        (acc0, carry, jnp.zeros((), jnp.float32), jnp.zeros((len(track),), jnp.bool_)), axis_name
+    )
+    micro_batches = split_micro_batches(batch, k)
+    xs = (jnp.arange(k), micro_batches, micro_masks)
+    if k == 1:
+        state, aux = micro(state0, jax.tree.map(lambda x: x[0], xs))
+        aux = jax.tree.map(lambda x: x[None], aux)
+    else:
+        state, aux = jax.lax.scan(micro, state0, xs)
+    acc, carry, loss_acc, used = state
+    grads = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(acc, dtypes, strict=True)])
+    return LocalGrads(grads, loss_acc, total, _combine_aux(aux, k), carry, used)

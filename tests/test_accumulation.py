@@ -1,0 +1,134 @@
+"""Gradient accumulation (DDP's no_sync): one reduction for K micro-batches."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import cross_entropy, make_data, make_state, reference_steps
+from flax import nnx
+from flax.training.train_state import TrainState
+
+import fdp
+
+N, K, B = 8, 4, 2  # devices, micro-batches, examples per device per micro-batch
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_accumulated_step_equals_one_step_on_the_whole_batch(opt):
+    init = make_state("cnn", opt)
+    loss_fn = cross_entropy(init.apply_fn)
+    batches = [make_data(s, K * N * B) for s in range(2)]
+    want, want_losses = reference_steps(init, batches, loss_fn)
+    step = fdp.train_step(loss_fn, accumulate_steps=K)
+    state = fdp.replicate(init)
+    for batch, want_loss in zip(batches, want_losses, strict=True):
+        state, metrics = step(state, fdp.shard_batch(batch))
+        np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
+    chex.assert_trees_all_close(state.params, want.params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state.opt_state, want.opt_state, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_adds_no_all_reduce():
+    init = make_state("mlp", "sgd")
+    loss_fn = cross_entropy(init.apply_fn)
+    counts = {}
+    for k in (1, K):
+        step = fdp.train_step(loss_fn, accumulate_steps=k)
+        lowered = step.lower(fdp.replicate(init), fdp.shard_batch(make_data(0, K * N * B)))
+        stablehlo = lowered.as_text()
+        counts[k] = fdp.collective_stats(lowered).count("all-reduce")
+        assert ("stablehlo.while" in stablehlo) == (k > 1)
+        assert not fdp.loop_collectives(lowered).ops  # nothing communicates per micro-batch
+        compiled = lowered.compile()
+        assert not fdp.loop_collectives(compiled).ops  # and none after XLA's passes
+        assert fdp.collective_stats(compiled).nbytes() == step.plan.nbytes + 4
+    assert counts[K] == counts[1]
+    # The detector does see a collective inside a loop when there is one.
+    mesh = fdp.data_mesh()
+    per_step = jax.shard_map(
+        lambda x: jax.lax.scan(lambda c, y: (c + jax.lax.psum(y, "data"), None), 0.0, x)[0],
+        mesh=mesh,
+        in_specs=jax.P("data"),
+        out_specs=jax.P(),
+    )
+    lowered = jax.jit(per_step).lower(fdp.shard_batch(jnp.ones((8 * 3,))))
+    assert fdp.loop_collectives(lowered).count("all-reduce") == 1
+
+
+def test_bf16_parameters_accumulate_in_float32():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * N, 16)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(16,)) * 0.01, jnp.bfloat16)
+    loss_fn = lambda p, b: jnp.mean((b @ p["w"].astype(jnp.float32)) ** 2)  # noqa: E731
+    exact = np.asarray(jax.grad(loss_fn)({"w": w.astype(jnp.float32)}, x)["w"])
+    errors = {}
+    for dtype in (None, jnp.bfloat16):
+        state = TrainState.create(apply_fn=None, params={"w": w}, tx=optax.sgd(1.0))
+        step = fdp.train_step(loss_fn, accumulate_steps=64, accum_dtype=dtype)
+        new, _ = step(fdp.replicate(state), fdp.shard_batch(x))
+        assert new.params["w"].dtype == jnp.bfloat16
+        update = np.asarray(w, np.float32) - np.asarray(new.params["w"], np.float32)
+        errors[dtype] = np.abs(update - exact).max()
+    assert errors[None] < errors[jnp.bfloat16]
+
+
+def test_the_explicit_pair_never_communicates_and_syncs_once():
+    init = make_state("mlp", "adam")
+    loss_fn = cross_entropy(init.apply_fn)
+    micro = [make_data(s, N * B) for s in range(K)]
+    full = {k: np.concatenate([m[k] for m in micro]) for k in micro[0]}
+    want, want_losses = reference_steps(init, [full], loss_fn)
+
+    acc = fdp.grad_accumulator(loss_fn)
+    state = fdp.replicate(init)
+    grads = acc.init(state)
+    lowered = acc._accumulate.lower(state, grads, fdp.shard_batch(micro[0]), None, None)
+    assert not fdp.collective_stats(lowered).ops  # the local step never communicates
+    for m in micro:
+        grads, local_losses = acc.accumulate(state, grads, fdp.shard_batch(m))
+        assert local_losses.shape == (N,)
+    state, metrics = acc.sync(state, grads)
+    chex.assert_trees_all_close(state.params, want.params, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(metrics["loss"]), want_losses[0], rtol=1e-5)
+
+
+def test_nnx_accumulation_matches_the_whole_batch():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(64, 16, rngs=rngs)
+            self.l2 = nnx.Linear(16, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.l1(x.reshape(x.shape[0], -1))))
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+    batch = make_data(0, K * N * B)
+    ref = Net(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+    ref_opt.update(ref, nnx.grad(loss_fn)(ref, batch))
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    fdp.nnx_train_step(loss_fn, accumulate_steps=K)(model, opt, fdp.shard_batch(batch))
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_accumulation_settings_are_checked():
+    init = make_state("mlp", "sgd")
+    loss_fn = cross_entropy(init.apply_fn)
+    with pytest.raises(ValueError, match="accumulate_steps must be >= 1, got 0"):
+        fdp.train_step(loss_fn, accumulate_steps=0)
+    with pytest.raises(ValueError, match="accum_dtype must be a floating dtype"):
+        fdp.train_step(loss_fn, accumulate_steps=2, accum_dtype=jnp.int32)
+    step = fdp.train_step(loss_fn, accumulate_steps=3, donate=False)
+    with pytest.raises(
+        ValueError,
+        match=r"divisible by the 8 devices of axis 'data' times 3 "
+        r"micro-batches \(24\)",
+    ):
+        step(init, make_data(0, 16))
