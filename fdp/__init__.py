@@ -5,6 +5,7 @@ grad -> bucket -> all-reduce -> update, on a ``jax`` device mesh.
 
 from fdp import bucketing as bucketing
 from fdp import collectives as collectives
+from fdp import runtime as runtime
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
 from fdp._nnx_step import NNXDataParallelStep as NNXDataParallelStep
@@ -18,6 +19,12 @@ from fdp._step import DataParallelStep as DataParallelStep
 from fdp._step import train_step as train_step
 from fdp._version import __version__ as __version__
 from fdp.bucketing import plan_buckets as plan_buckets
+from fdp.runtime import check_consistent as check_consistent
+from fdp.runtime import init as init
+from fdp.runtime import local_rank as local_rank
+from fdp.runtime import local_world_size as local_world_size
+from fdp.runtime import process_count as process_count
+from fdp.runtime import process_index as process_index
 
 __all__ = [
     "CollectiveStats",
@@ -26,13 +33,20 @@ __all__ = [
     "NNXDataParallelStep",
     "__version__",
     "bucketing",
+    "check_consistent",
     "collective_stats",
     "collectives",
     "data_mesh",
+    "init",
+    "local_rank",
+    "local_world_size",
     "nnx_train_step",
     "plan_buckets",
+    "process_count",
+    "process_index",
     "reduce_gradients",
     "replicate",
+    "runtime",
     "shard_batch",
     "train_step",
 ]
