@@ -15,6 +15,7 @@ from fdp._placement import data_mesh as data_mesh
 from fdp._placement import replicate as replicate
 from fdp._placement import shard_batch as shard_batch
 from fdp._reduction import reduce_gradients as reduce_gradients
+from fdp._sampler import DistributedSampler as DistributedSampler
 from fdp._step import DataParallelStep as DataParallelStep
 from fdp._step import train_step as train_step
 from fdp._version import __version__ as __version__
@@ -30,6 +31,7 @@ __all__ = [
     "CollectiveStats",
     "DATA_AXIS",
     "DataParallelStep",
+    "DistributedSampler",
     "NNXDataParallelStep",
     "__version__",
     "bucketing",
