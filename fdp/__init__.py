@@ -6,6 +6,8 @@ grad -> bucket -> all-reduce -> update, on a ``jax`` device mesh.
 from fdp import bucketing as bucketing
 from fdp import collectives as collectives
 from fdp import runtime as runtime
+from fdp._checkpoint import CheckpointManager as CheckpointManager
+from fdp._checkpoint import Restored as Restored
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
 from fdp._nnx_step import NNXDataParallelStep as NNXDataParallelStep
@@ -28,11 +30,13 @@ from fdp.runtime import process_count as process_count
 from fdp.runtime import process_index as process_index
 
 __all__ = [
+    "CheckpointManager",
     "CollectiveStats",
     "DATA_AXIS",
     "DataParallelStep",
     "DistributedSampler",
     "NNXDataParallelStep",
+    "Restored",
     "__version__",
     "bucketing",
     "check_consistent",
