@@ -157,13 +157,15 @@ def _wait_for_coordinator(address: str, timeout: float, settings: _config.Settin
     host, port = _config.split_address("coordinator_address", address)
     deadline = time.monotonic() + timeout
     while True:
+        left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, timeout))):
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))):
                 return
         except OSError:
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-            time.sleep(0.2)
+            time.sleep(min(0.2, left))
     raise TimeoutError(
         f"fdp.init: the coordinator at {address} could not be reached within "
         f"initialization_timeout={timeout:g} s (this is process {settings.process_id} of "
