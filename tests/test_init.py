@@ -3,13 +3,16 @@
 Joining real processes is tested in test_host_collectives.py and test_launch.py.
 """
 
+import os
+import signal
 import socket
 import time
 
 import pytest
+from _procs import WORKERS, finish, start
 
 import fdp
-from fdp.runtime._config import resolve
+from fdp.runtime._config import BIND_VAR, bind_address, resolve
 
 TORCHRUN = {
     "MASTER_ADDR": "10.0.0.1",
@@ -155,3 +158,37 @@ def test_local_rank_from_the_environment(monkeypatch):
     assert (fdp.local_rank(), fdp.local_world_size()) == (3, 4)
     monkeypatch.setenv("FDP_LOCAL_RANK", "2")
     assert fdp.local_rank() == 2
+
+
+def test_the_coordinator_listens_on_loopback_for_a_loopback_address(monkeypatch):
+    assert bind_address("127.0.0.1:5000", None, {}) == "127.0.0.1:5000"
+    assert bind_address("localhost:5000", None, {}) == "localhost:5000"
+    assert bind_address("10.0.0.1:5000", None, {}) is None  # JAX's default: every interface
+    assert bind_address("10.0.0.1:5000", None, {BIND_VAR: "0.0.0.0:5000"}) == "0.0.0.0:5000"
+    assert bind_address("10.0.0.1:5000", "[::]:5000", {}) == "[::]:5000"
+
+
+@pytest.mark.multiprocess
+def test_an_uncaught_exception_ends_the_process_at_once(tmp_path, marker):
+    """Without a launcher: rank 1 raises after joining and exits within 20 s, although its
+    peer is still running (JAX's shutdown barrier would hold it for shutdown_timeout)."""
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    procs = {
+        rank: start(
+            [WORKERS / "failing.py", "raise", tmp_path / "failed_1"],
+            marker,
+            FDP_COORDINATOR_ADDRESS=address,
+            FDP_NUM_PROCESSES="2",
+            FDP_PROCESS_ID=str(rank),
+        )
+        for rank in (0, 1)
+    }
+    try:
+        out = finish(procs[1], 60, started)
+        assert out.returncode == 1, out.output
+        assert "RuntimeError: rank 1 failed on purpose" in out.stderr
+        assert out.ended_at - float((tmp_path / "failed_1").read_text()) < 20
+    finally:
+        os.killpg(procs[0].pid, signal.SIGKILL)  # rank 0 would wait for JAX's heartbeat timeout
+        procs[0].communicate()

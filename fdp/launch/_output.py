@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
 import threading
 from typing import IO, Any
 
@@ -29,8 +30,6 @@ class Output:
 
     def popen_kwargs(self) -> dict[str, Any]:
         """The ``stdout``/``stderr`` arguments for the worker's ``Popen``."""
-        import subprocess
-
         if self.log_path is not None:
             os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
             self._file = open(self.log_path, "wb")  # noqa: SIM115 (closed in close())
