@@ -10,6 +10,13 @@ from _procs import survivors
 collect_ignore = ["workers"]
 
 
+def pytest_collection_modifyitems(items):
+    # A test that starts real processes asks for `marker`: mark it `multiprocess`.
+    for item in items:
+        if "marker" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multiprocess)
+
+
 @pytest.fixture
 def marker():
     """A marker in every child's environment; after the test, none may be alive."""

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 from _procs import run as run_marked
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -35,7 +34,6 @@ def test_demo_trains_to_high_held_out_accuracy():
     assert acc >= 0.95
 
 
-@pytest.mark.multiprocess
 def test_demo_under_fdp_launch_with_two_processes(marker):
     """Each process reads its shard and simulates 4 of the 8 devices."""
     out = run_marked(

@@ -122,7 +122,6 @@ def check_two_processes(res, local_world_size):
         assert r["assembled"] == [0, 0, 1, 1]  # local batches in process order
 
 
-@pytest.mark.multiprocess
 def test_two_processes_under_fdp_launch(marker):
     out = launch(["--nproc-per-node", "2"], "host_collectives.py", [], marker, timeout=120)
     assert out.returncode == 0, out.output
@@ -131,7 +130,6 @@ def test_two_processes_under_fdp_launch(marker):
     assert [res[r]["local_rank"] for r in (0, 1)] == [0, 1]
 
 
-@pytest.mark.multiprocess
 def test_two_nodes_by_two_launchers(marker):
     """`fdp launch --nnodes 2` on each 'node' (both on localhost here)."""
     port = free_port()
@@ -157,7 +155,6 @@ def test_two_nodes_by_two_launchers(marker):
     assert [res[r]["local_rank"] for r in (0, 1)] == [0, 0]
 
 
-@pytest.mark.multiprocess
 def test_two_processes_by_hand_with_fdp_variables(marker):
     """No launcher: each process gets FDP_* variables, as on hosts started by hand."""
     address = f"127.0.0.1:{free_port()}"

@@ -168,7 +168,6 @@ def test_the_coordinator_listens_on_loopback_for_a_loopback_address(monkeypatch)
     assert bind_address("10.0.0.1:5000", "[::]:5000", {}) == "[::]:5000"
 
 
-@pytest.mark.multiprocess
 def test_an_uncaught_exception_ends_the_process_at_once(tmp_path, marker):
     """Without a launcher: rank 1 raises after joining and exits within 20 s, although its
     peer is still running (JAX's shutdown barrier would hold it for shutdown_timeout)."""

@@ -18,7 +18,6 @@ from fdp.launch import _env
 from fdp.launch._cli import build_parser
 from fdp.launch._config import LaunchConfig, from_namespace
 
-pytestmark = pytest.mark.multiprocess
 FAILURE_BOUND = 30.0  # seconds from a worker's failure to the launch's exit
 
 

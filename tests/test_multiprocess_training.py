@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from _procs import launch, run, survivors
 
-pytestmark = pytest.mark.multiprocess
 TWO_BY_TWO = ["--nproc-per-node", "2"]
 
 
