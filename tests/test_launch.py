@@ -113,6 +113,22 @@ def test_workers_get_torchrun_variables_and_prefixed_output(tmp_path, marker):
         assert not set(seen[0]["affinity"]) & set(seen[1]["affinity"])
 
 
+def test_each_worker_gets_one_of_the_visible_gpus(tmp_path, marker):
+    """GPUs are found without JAX (here from CUDA_VISIBLE_DEVICES; this host has none)."""
+    out = launch(
+        ["--nproc-per-node", "2"],
+        "probe.py",
+        ["ok", tmp_path],
+        marker,
+        timeout=60,
+        CUDA_VISIBLE_DEVICES="3,5",
+    )
+    assert out.returncode == 0, out.output
+    envs = {rank: rec["env"] for rank, rec in records(tmp_path).items()}
+    assert [envs[r]["CUDA_VISIBLE_DEVICES"] for r in (0, 1)] == ["3", "5"]
+    assert "FDP_CPU_AFFINITY" not in envs[0]
+
+
 def test_log_dir_gets_one_file_per_rank(tmp_path, marker):
     logs = tmp_path / "logs"
     out = launch(

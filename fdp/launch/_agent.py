@@ -54,6 +54,8 @@ class WorkerGroup:
         """Starts every local worker, each in its own session (process group)."""
         cfg = self.cfg
         gpus = _env.detect_gpus(os.environ) if cfg.bind_gpus else []
+        if 0 < len(gpus) < cfg.nproc_per_node:
+            _log(stderr, f"{cfg.nproc_per_node} workers share {len(gpus)} GPU(s): {gpus}.")
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         command = _env.worker_command(cfg, sys.executable)
         os.makedirs(os.path.join(self.run_dir, f"attempt_{self.attempt}"), exist_ok=True)
