@@ -33,6 +33,7 @@ def child_env(marker, **extra):
     }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["FDP_TEST_MARKER"] = marker
+    env["PYTHONWARNINGS"] = "error"  # as in this test process (pyproject's filterwarnings)
     env.update(extra)
     return env
 
