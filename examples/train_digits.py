@@ -4,6 +4,12 @@ The dataset (1,797 8x8 images, 10 classes) ships inside scikit-learn, so this ru
 offline. Without a GPU it simulates 8 CPU devices; with GPUs it uses all of them.
 
     python examples/train_digits.py
+
+With several processes, as DDP runs one per GPU, each process reads its own shard of
+the training set (fdp.DistributedSampler) and feeds its local batch; on CPU each of
+the N processes simulates 8 / N devices, so the mesh is the same 8 devices:
+
+    fdp launch --nproc-per-node 2 examples/train_digits.py
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import time
 
 # Simulated CPU devices must be configured before JAX starts its backend. The
 # flag only shapes the CPU platform: with GPUs present, jax.devices() lists them.
-os.environ.setdefault("FDP_DEMO_CPU_DEVICES", "8")
+# Under `fdp launch`, LOCAL_WORLD_SIZE processes share this host's 8 devices.
+os.environ.setdefault(
+    "FDP_DEMO_CPU_DEVICES", str(max(1, 8 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+)
 
 import jax
 
@@ -81,18 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    devices = jax.devices()
+    fdp.init()  # joins the other processes under `fdp launch`; alone, does nothing
+    lead = fdp.process_index() == 0  # process 0 reports
+    devices = jax.devices()  # every process's devices
     mesh = fdp.data_mesh(devices)
-    print(
-        f"fdp {fdp.__version__}: {len(devices)} {devices[0].platform} device(s), "
-        f"mesh {dict(mesh.shape)}"
-    )
+    processes = f" over {fdp.process_count()} processes" if fdp.process_count() > 1 else ""
+    if lead:
+        print(
+            f"fdp {fdp.__version__}: {len(devices)} {devices[0].platform} device(s), "
+            f"mesh {dict(mesh.shape)}{processes}"
+        )
     if args.batch_size % len(devices):
         parser.error(f"--batch-size must be a multiple of the {len(devices)} devices")
 
     train, test = load(args.seed)
     model = MLP()
     params = model.init(jax.random.key(args.seed), jnp.zeros((1, 64)))["params"]
+    # With several processes, every one starts from process 0's state.
     state = fdp.replicate(
         fdp.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(args.lr)), mesh
     )
@@ -115,15 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     def accuracy(params, x, y):
         return jnp.mean(jnp.argmax(model.apply({"params": params}, x), -1) == y)
 
-    rng = np.random.default_rng(args.seed)
-    n_train = len(train["y"])
-    steps_per_epoch = n_train // args.batch_size  # drop the last partial batch, as DDP's sampler
+    # This process's shard of the training set, reshuffled every epoch, and its
+    # share of each global batch (shard_batch assembles them in process order).
+    sampler = fdp.DistributedSampler(len(train["y"]), shuffle=True, seed=args.seed, drop_last=True)
+    local_batch = args.batch_size // fdp.process_count()
+    steps_per_epoch = sampler.num_batches(local_batch)  # drops the last partial batch
     start = time.perf_counter()
-    bar = tqdm(range(args.epochs), desc="train", unit="epoch", file=sys.stdout)
-    for _ in bar:
-        order = rng.permutation(n_train)
-        for i in range(steps_per_epoch):
-            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+    bar = tqdm(range(args.epochs), desc="train", unit="epoch", file=sys.stdout, disable=not lead)
+    for epoch in bar:
+        sampler.set_epoch(epoch)
+        for idx in sampler.batches(local_batch):
             batch = fdp.shard_batch({k: v[idx] for k, v in train.items()}, mesh)
             state, metrics = step(state, batch)
         bar.set_postfix(
@@ -132,13 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
 
     plan = step.plan
-    print(
-        f"buckets: {len(plan.buckets)} ({', '.join(f'{b.nbytes} B' for b in plan.buckets)}), "
-        f"comm hook {step.config.comm_hook.name}"
-    )
-    acc = float(accuracy(state.params, test["x"], test["y"]))
-    print(f"trained {args.epochs * steps_per_epoch} steps in {elapsed:.1f} s")
-    print(f"held-out accuracy: {acc:.4f} on {len(test['y'])} images")
+    # Every replica holds the same parameters: evaluate this process's own copy.
+    params = jax.tree.map(lambda x: x.addressable_data(0), state.params)
+    acc = float(accuracy(params, test["x"], test["y"]))
+    if lead:
+        print(
+            f"buckets: {len(plan.buckets)} ({', '.join(f'{b.nbytes} B' for b in plan.buckets)}), "
+            f"comm hook {step.config.comm_hook.name}"
+        )
+        print(f"trained {args.epochs * steps_per_epoch} steps in {elapsed:.1f} s")
+        print(f"held-out accuracy: {acc:.4f} on {len(test['y'])} images")
     return 0 if acc >= args.min_accuracy else 1
 
 

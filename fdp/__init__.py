@@ -6,9 +6,12 @@ grad -> bucket -> all-reduce -> update, on a ``jax`` device mesh.
 from fdp import bucketing as bucketing
 from fdp import collectives as collectives
 from fdp import hooks as hooks
+from fdp import runtime as runtime
 from fdp._accumulate import Accumulated as Accumulated
 from fdp._accumulate import GradAccumulator as GradAccumulator
 from fdp._accumulate import grad_accumulator as grad_accumulator
+from fdp._checkpoint import CheckpointManager as CheckpointManager
+from fdp._checkpoint import Restored as Restored
 from fdp._data_parallel import data_parallel as data_parallel
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
@@ -20,6 +23,7 @@ from fdp._placement import data_mesh as data_mesh
 from fdp._placement import replicate as replicate
 from fdp._placement import shard_batch as shard_batch
 from fdp._reduction import reduce_gradients as reduce_gradients
+from fdp._sampler import DistributedSampler as DistributedSampler
 from fdp._step import DataParallelStep as DataParallelStep
 from fdp._step import train_step as train_step
 from fdp._step_common import PerDevice as PerDevice
@@ -30,33 +34,49 @@ from fdp._unused import ParamUsage as ParamUsage
 from fdp._unused import find_unused_parameters as find_unused_parameters
 from fdp._version import __version__ as __version__
 from fdp.bucketing import plan_buckets as plan_buckets
+from fdp.runtime import check_consistent as check_consistent
+from fdp.runtime import init as init
+from fdp.runtime import local_rank as local_rank
+from fdp.runtime import local_world_size as local_world_size
+from fdp.runtime import process_count as process_count
+from fdp.runtime import process_index as process_index
 
 __all__ = [
     "Accumulated",
-    "GradAccumulator",
-    "ParamUsage",
-    "PerDevice",
+    "CheckpointManager",
     "CollectiveStats",
     "DATA_AXIS",
     "DataParallelStep",
+    "DistributedSampler",
+    "GradAccumulator",
     "NNXDataParallelStep",
+    "ParamUsage",
+    "PerDevice",
+    "Restored",
     "TrainState",
     "__version__",
     "bucketing",
+    "check_consistent",
     "collective_stats",
     "collectives",
     "data_mesh",
     "data_parallel",
     "find_unused_parameters",
     "grad_accumulator",
-    "join",
-    "loop_collectives",
     "hooks",
+    "init",
+    "join",
+    "local_rank",
+    "local_world_size",
+    "loop_collectives",
     "nnx_train_step",
     "pad_batch",
     "plan_buckets",
+    "process_count",
+    "process_index",
     "reduce_gradients",
     "replicate",
+    "runtime",
     "shard_batch",
     "train_step",
 ]

@@ -12,6 +12,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fdp.runtime._consistency import check_consistent
+
 DATA_AXIS = "data"
 
 
@@ -79,7 +81,9 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
 
     With several processes, every process gets process 0's values (DDP's
     ``_sync_module_states``), so replicas start identical even if each process
-    initialised its own.
+    initialised its own. Before that, the leaves' key paths, shapes and dtypes
+    are compared across processes (:func:`fdp.check_consistent`), so a
+    mismatch is an error that names the leaf instead of a hang.
 
     Args:
       tree: parameters, optimizer state, a ``TrainState``: any pytree of arrays
@@ -89,6 +93,10 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     Returns:
       The same pytree, each leaf a ``jax.Array`` replicated over ``mesh``. The
       leaves are copies, so donating them to a step leaves ``tree`` intact.
+
+    Raises:
+      ValueError: with several processes, ``tree`` differs across them in a
+        leaf's key path, shape or dtype.
 
     Example:
       >>> import jax.numpy as jnp
@@ -103,6 +111,7 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
         # device_put reuses a buffer already on a mesh device (even with
         # may_alias=False in jax 0.10.2); a jitted copy never does.
         return _copy_to(sharding)(tree)
+    check_consistent(tree, what="state passed to fdp.replicate")
     tree = multihost_utils.broadcast_one_to_all(jax.tree.map(_as_numpy, tree))
     return jax.tree.map(
         lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree

@@ -1,4 +1,4 @@
-"""The ``fdp`` command line: ``fdp version`` (more subcommands join as they land)."""
+"""The ``fdp`` command line: ``fdp version``, ``fdp launch`` (more join as they land)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from fdp._version import __version__
+from fdp.launch import _cli as launch_cli
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -23,6 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fdp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("version", help="print fdp's version").set_defaults(run=_version)
+    launch = sub.add_parser(
+        "launch",
+        help="start the worker processes of a training script (torchrun)",
+        description=launch_cli.DESCRIPTION,
+    )
+    launch_cli.add_arguments(launch)
+    launch.set_defaults(run=lambda args: launch_cli.run(args, launch))
     return parser
 
 

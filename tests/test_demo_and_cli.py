@@ -6,11 +6,15 @@ import re
 import subprocess
 import sys
 
+from _procs import run as run_marked
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def run(*args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # This checkout's fdp, not another installed copy.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
@@ -37,6 +41,31 @@ def test_demo_and_compressed_hooks_reach_high_held_out_accuracy():
     for hook in ("bf16_compress", "powersgd"):
         acc = demo_accuracy("--comm-hook", hook, "--powersgd-rank", "2")
         assert abs(acc - default) <= 0.01, (hook, acc, default)
+
+
+def test_demo_under_fdp_launch_with_two_processes(marker):
+    """Each process reads its shard and simulates 4 of the 8 devices."""
+    out = run_marked(
+        [
+            "-m",
+            "fdp.launch",
+            "--nproc-per-node",
+            "2",
+            "examples/train_digits.py",
+            "--epochs",
+            "4",
+            "--min-accuracy",
+            "0.85",
+        ],
+        marker,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.output
+    assert "[rank 0] fdp " in out.stdout
+    assert "8 cpu device(s), mesh {'data': 8} over 2 processes" in out.stdout
+    acc = float(re.search(r"\[rank 0\] held-out accuracy: ([\d.]+) on 360 images", out.stdout)[1])
+    assert acc >= 0.85
+    assert "[rank 1] held-out accuracy" not in out.stdout  # process 0 reports
 
 
 def test_demo_rejects_a_batch_that_does_not_split():

@@ -1,0 +1,128 @@
+"""Each process's share of a dataset: ``torch.utils.data.DistributedSampler``'s rules."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {name}={value!r}.")
+    return int(value)
+
+
+class DistributedSampler:
+    """The indices of a dataset that one process reads, as DDP's sampler gives them.
+
+    The rules are ``torch.utils.data.DistributedSampler``'s: every epoch the
+    indices ``0..dataset_size-1`` are shuffled with ``seed + epoch`` (so all
+    processes agree on the order without talking), then either padded by
+    repeating indices from the start (``drop_last=False``) or cut
+    (``drop_last=True``) to a multiple of ``num_replicas``; process ``rank``
+    takes every ``num_replicas``-th index from position ``rank``. Every process
+    therefore gets the same number of indices, and so the same number of
+    batches. The permutation comes from NumPy (``np.random.default_rng(seed +
+    epoch)``), so the shuffled order is not torch's, but the padding, dropping
+    and striding are.
+
+    Args:
+      dataset_size: the number of examples.
+      num_replicas: the number of readers (default: ``jax.process_count()``,
+        each process feeding its local batch to :func:`fdp.shard_batch`).
+      rank: this reader's index (default: ``jax.process_index()``).
+      shuffle: shuffle every epoch.
+      seed: the shuffling seed; must be the same on every process.
+      drop_last: drop the tail that does not divide evenly instead of padding.
+
+    Example:
+      >>> s = DistributedSampler(10, num_replicas=3, rank=1, shuffle=False)
+      >>> list(s), len(s)
+      ([1, 4, 7, 0], 4)
+      >>> s.set_epoch(1)
+      >>> [b.tolist() for b in s.batches(2)]
+      [[1, 4], [7, 0]]
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
+        self.dataset_size = _check_int("dataset_size", dataset_size, 0)
+        self.num_replicas = _check_int(
+            "num_replicas", jax.process_count() if num_replicas is None else num_replicas, 1
+        )
+        self.rank = _check_int("rank", jax.process_index() if rank is None else rank, 0)
+        if self.rank >= self.num_replicas:
+            raise ValueError(
+                f"rank must be in 0..num_replicas-1, got rank={self.rank}, "
+                f"num_replicas={self.num_replicas}."
+            )
+        self.shuffle = bool(shuffle)
+        self.seed = _check_int("seed", seed, 0)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        n, r = self.dataset_size, self.num_replicas
+        if drop_last and n % r:
+            self.num_samples = math.ceil((n - r) / r)  # torch's formula: floor(n / r)
+        else:
+            self.num_samples = math.ceil(n / r)
+        self.total_size = self.num_samples * r
+
+    def set_epoch(self, epoch: int) -> None:
+        """Chooses the epoch, and so the shuffled order (call it before each epoch)."""
+        self.epoch = _check_int("epoch", epoch, 0)
+
+    def indices(self) -> np.ndarray:
+        """This reader's indices for the current epoch, as an ``int64`` array."""
+        n = self.dataset_size
+        if self.shuffle:
+            order = np.random.default_rng(self.seed + self.epoch).permutation(n)
+        else:
+            order = np.arange(n)
+        if self.drop_last:
+            order = order[: self.total_size]
+        elif self.total_size > n and n:
+            # Pad by repeating from the start, as many times as needed (torch).
+            order = np.resize(order, self.total_size)
+        return order[self.rank : self.total_size : self.num_replicas].astype(np.int64)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def num_batches(self, batch_size: int, *, drop_last: bool = True) -> int:
+        """Batches of ``batch_size`` in an epoch (the same on every process)."""
+        batch_size = _check_int("batch_size", batch_size, 1)
+        return self.num_samples // batch_size if drop_last else -(-self.num_samples // batch_size)
+
+    def batches(
+        self, batch_size: int, *, drop_last: bool = True, start: int = 0
+    ) -> Iterator[np.ndarray]:
+        """This reader's index batches for the current epoch.
+
+        Args:
+          batch_size: indices per batch (the local batch size).
+          drop_last: drop a last, smaller batch (default, so that every batch
+            splits over the local devices).
+          start: the first batch to yield, to resume inside an epoch.
+
+        Yields:
+          ``int64`` arrays of indices; index your arrays with them.
+        """
+        count = self.num_batches(batch_size, drop_last=drop_last)
+        start = _check_int("start", start, 0)
+        indices = self.indices()
+        for b in range(start, count):
+            yield indices[b * batch_size : (b + 1) * batch_size]

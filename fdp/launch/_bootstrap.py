@@ -1,0 +1,128 @@
+"""The first code an ``fdp launch`` worker runs, before the user's script.
+
+Run as ``python _bootstrap.py script.py args...`` (or ``-m module args...``).
+It uses the standard library only, so that nothing starts threads or JAX before
+the script configures them. It
+
+- dies with the agent: on Linux the kernel sends it SIGKILL if the agent
+  process ends, so no worker outlives ``fdp launch``, even one killed by SIGKILL;
+- pins itself to its share of CPU cores (``FDP_CPU_AFFINITY``) before any
+  thread pool sizes itself from the core count;
+- runs the script as ``python script.py`` would (``__main__``, ``sys.argv``,
+  ``sys.path[0]``);
+- on an uncaught exception, prints the traceback, writes it to
+  ``FDP_ERROR_FILE`` for the agent's failure summary (torchrun's error file),
+  and exits at once with status 1, skipping ``atexit``: JAX's shutdown barrier
+  would otherwise hold a failed worker for minutes, waiting for its peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from types import TracebackType
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_agent() -> None:
+    agent = os.environ.get("FDP_AGENT_PID")
+    if not agent or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(agent):  # the agent died before prctl took effect
+        os._exit(1)
+
+
+def _pin_cpus() -> None:
+    cpus = os.environ.get("FDP_CPU_AFFINITY")
+    if cpus and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    # Drop the frames of this file and of runpy, as `python script.py` shows none.
+    own = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if name not in own and os.path.abspath(name) not in own:
+            break
+        tb = tb.tb_next
+    return tb
+
+
+def _report(exc: BaseException, exit_code: int, *, echo: bool = True) -> None:
+    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+    if echo:
+        sys.stderr.write(text)
+    path = os.environ.get("FDP_ERROR_FILE")
+    if path:
+        record = {
+            "rank": os.environ.get("RANK"),
+            "pid": os.getpid(),
+            "exit_code": exit_code,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": text,
+            "timestamp": time.time(),
+        }
+        try:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            sys.stderr.write(f"fdp launch: could not write the error file {path}: {e}\n")
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    """Runs ``argv`` (``script args...`` or ``-m module args...``) as the worker."""
+    _die_with_agent()
+    _pin_cpus()
+    module = argv[1] if argv[:1] == ["-m"] else None
+    target, args = (module, argv[2:]) if module else (argv[0], argv[1:])
+    sys.argv = [target, *args]
+    # What `python -m module` and `python script.py` put first on the path.
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(target))
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            raise
+        code = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int):
+            sys.stderr.write(f"{e.code}\n")
+        _report(e, code, echo=False)  # like python: no traceback for sys.exit
+        _exit_now(code)
+    except BaseException as e:
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+        _report(e, code)
+        _exit_now(code)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1:] == ["-m"]:
+        sys.exit("usage: _bootstrap.py script.py [args...] | -m module [args...]")
+    main(sys.argv[1:])

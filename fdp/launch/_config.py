@@ -1,0 +1,172 @@
+"""``fdp launch``'s settings: its command line, checked into a frozen config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import uuid
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """What ``fdp launch`` runs, and how.
+
+    Attributes:
+      script: the training script (or module, with ``module=True``).
+      script_args: its arguments.
+      module: run ``script`` as ``python -m script``.
+      nproc_per_node: worker processes on this host.
+      nnodes: hosts in the run.
+      node_rank: this host's index, ``0 <= node_rank < nnodes``.
+      master_addr: the coordinator's host (the host of node 0).
+      master_port: the coordinator's port; ``None``: a free port (one host only).
+      max_restarts: times the whole group is restarted after a failure.
+      log_dir: write each worker's output to a file there instead of
+        prefixing it on the console.
+      run_id: names the run (``FDP_RUN_ID``).
+      monitor_interval: seconds between checks of the workers.
+      grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+      bind_gpus: give each local worker its own GPU(s) via
+        ``CUDA_VISIBLE_DEVICES`` when the host has GPUs.
+      bind_cpus: without GPUs, pin each local worker to its share of CPU cores
+        and set its thread counts to match.
+    """
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    module: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+    log_dir: str | None = None
+    run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
+    monitor_interval: float = 0.1
+    grace_period: float = 5.0
+    bind_gpus: bool = True
+    bind_cpus: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(bool(self.script), "a script (or -m module) to run is required.")
+        need(self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1, got {self.nproc_per_node}.")
+        need(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}.")
+        need(
+            0 <= self.node_rank < self.nnodes,
+            f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}, "
+            f"got {self.node_rank}.",
+        )
+        need(self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}.")
+        need(
+            self.master_port is None or 0 < self.master_port < 65536,
+            f"--master-port must be in 1..65535, got {self.master_port}.",
+        )
+        need(
+            self.nnodes == 1 or self.master_port is not None,
+            f"--nnodes {self.nnodes} needs --master-port (and --master-addr, the host of node 0) "
+            "so that every node finds the same coordinator.",
+        )
+        need(self.monitor_interval > 0, "--monitor-interval must be > 0.")
+        need(self.grace_period >= 0, "--grace-period must be >= 0.")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the whole run."""
+        return self.nnodes * self.nproc_per_node
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``fdp launch``'s options and the script with its arguments to ``parser``."""
+    parser.add_argument(
+        "--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this host"
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="hosts in the run")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this host's index")
+    parser.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        help="host of node 0, where the coordinator runs (default 127.0.0.1 on one host)",
+    )
+    parser.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="coordinator port (default: a free port on one host; required for several)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart the whole group up to this many times after a failure",
+    )
+    parser.add_argument(
+        "--log-dir", "--log_dir", default=None, help="write rank_N.log files here instead"
+    )
+    parser.add_argument("--run-id", "--run_id", default=None, help="run name (FDP_RUN_ID)")
+    parser.add_argument("--monitor-interval", type=float, default=0.1, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=5.0,
+        help="seconds from SIGTERM to SIGKILL when stopping workers (default 5)",
+    )
+    parser.add_argument(
+        "--no-gpu-binding",
+        dest="bind_gpus",
+        action="store_false",
+        help="leave CUDA_VISIBLE_DEVICES alone (default: one GPU share per worker)",
+    )
+    parser.add_argument(
+        "--no-cpu-binding",
+        dest="bind_cpus",
+        action="store_false",
+        help="do not pin CPU-only workers to a share of the cores",
+    )
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="run the script as a module (python -m)"
+    )
+    parser.add_argument("script", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def from_namespace(args: argparse.Namespace) -> LaunchConfig:
+    """The config from parsed arguments.
+
+    Raises:
+      ValueError: the options are out of range or inconsistent.
+    """
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    if args.nnodes > 1 and args.master_addr is None:
+        raise ValueError(
+            f"--nnodes {args.nnodes} needs --master-addr: the address of node 0, which every "
+            "node can reach."
+        )
+    fields = dict(
+        script=args.script,
+        script_args=tuple(script_args),
+        module=args.module,
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr or "127.0.0.1",
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        log_dir=args.log_dir,
+        monitor_interval=args.monitor_interval,
+        grace_period=args.grace_period,
+        bind_gpus=args.bind_gpus,
+        bind_cpus=args.bind_cpus,
+    )
+    if args.run_id:
+        fields["run_id"] = args.run_id
+    return LaunchConfig(**fields)

@@ -1,0 +1,126 @@
+"""How a worker ended, and the failure summary ``fdp launch`` prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+
+# A worker that JAX's coordination service stopped because another one died
+# ends with this line: it is a consequence, not a root cause.
+_SECONDARY = "JAX distributed service detected fatal errors"
+_TRACEBACK_LINES = 25
+
+
+def describe_exit(returncode: int) -> str:
+    """``'exit code 1'`` or ``'signal SIGKILL (9)'`` from a ``Popen.returncode``.
+
+    Example:
+      >>> describe_exit(3), describe_exit(-9)
+      ('exit code 3', 'signal SIGKILL (9)')
+    """
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = "unknown signal"
+    return f"signal {name} ({-returncode})"
+
+
+def read_error_file(path: str) -> dict | None:
+    """The record a worker's bootstrap wrote on an uncaught exception, if any."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+@dataclasses.dataclass
+class WorkerExit:
+    """One worker's end.
+
+    Attributes:
+      rank: its global rank.
+      local_rank: its rank on this host.
+      pid: its process id.
+      returncode: ``Popen.returncode`` (negative: killed by that signal).
+      elapsed: seconds from its start to when the agent saw it end.
+      stopped: the agent had already signalled it to stop.
+      order: the agent's poll round in which it was seen to end.
+      error: its error file record, if it wrote one.
+      tail: its last lines of output.
+    """
+
+    rank: int
+    local_rank: int
+    pid: int
+    returncode: int
+    elapsed: float
+    stopped: bool
+    order: int
+    error: dict | None = None
+    tail: tuple[str, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        """A non-zero end the agent did not cause."""
+        return self.returncode != 0 and not self.stopped
+
+    @property
+    def secondary(self) -> bool:
+        """Stopped by JAX because another process died."""
+        return any(_SECONDARY in line for line in self.tail)
+
+
+def root_cause(exits: list[WorkerExit]) -> WorkerExit | None:
+    """The failure to blame, as torchrun picks the first one.
+
+    The earliest failure seen; among those seen in the same poll round, one
+    with a Python traceback, then one JAX did not stop because of another,
+    then the lowest rank.
+    """
+    failed = [e for e in exits if e.failed]
+    if not failed:
+        return None
+    return min(failed, key=lambda e: (e.order, e.error is None, e.secondary, e.rank))
+
+
+def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_id: str) -> str:
+    """The summary of a failed attempt: the root cause with its traceback, then the rest."""
+    cause = root_cause(exits)
+    assert cause is not None
+    lines = [
+        f"fdp launch: the worker group failed (attempt {attempt + 1} of {attempts}, "
+        f"run id {run_id}).",
+        f"  root cause: rank {cause.rank} (local rank {cause.local_rank}, pid {cause.pid}) "
+        f"ended with {describe_exit(cause.returncode)} after {cause.elapsed:.1f} s",
+    ]
+    if cause.error and cause.error.get("traceback"):
+        body = cause.error["traceback"].rstrip("\n").splitlines()
+        lines.append("  its traceback (last lines):")
+    else:
+        body = list(cause.tail)
+        lines.append("  its last output:" if body else "  it printed nothing.")
+    lines += [f"    {line}" for line in body[-_TRACEBACK_LINES:]]
+    others = [e for e in sorted(exits, key=lambda e: e.rank) if e is not cause]
+    failed = [f"rank {e.rank} ({describe_exit(e.returncode)})" for e in others if e.failed]
+    stopped = [f"rank {e.rank} ({describe_exit(e.returncode)})" for e in others if e.stopped]
+    if failed:
+        lines.append("  other failures: " + ", ".join(failed))
+    if stopped:
+        lines.append("  stopped after the failure: " + ", ".join(stopped))
+    return "\n".join(lines)
+
+
+def one_line(exits: list[WorkerExit]) -> str:
+    """``'rank 1 ended with exit code 1: RuntimeError: boom'`` for the root cause."""
+    cause = root_cause(exits)
+    if cause is None:
+        return "no worker failed"
+    what = f"rank {cause.rank} ended with {describe_exit(cause.returncode)}"
+    if cause.error:
+        what += f": {cause.error.get('type')}: {cause.error.get('message')}"
+    return what

@@ -1,0 +1,324 @@
+"""fdp launch: worker environment, output, failure handling, restarts and signals.
+
+Most tests use tests/workers/probe.py, which does not import JAX, so they start in
+well under a second; the last ones run JAX workers joined by fdp.init. Every test
+checks (through the `marker` fixture) that no process it started is left alive.
+"""
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+from _procs import WORKERS, alive, finish, launch, start
+
+from fdp.launch import _env
+from fdp.launch._cli import build_parser
+from fdp.launch._config import LaunchConfig, from_namespace
+
+FAILURE_BOUND = 30.0  # seconds from a worker's failure to the launch's exit
+
+
+def parse(*argv):
+    return from_namespace(build_parser().parse_args(list(argv)))
+
+
+def records(outdir):
+    return {
+        int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in outdir.glob("ready_*.json")
+    }
+
+
+def test_command_line_passes_script_arguments_through():
+    cfg = parse("--nproc-per-node", "2", "train.py", "--lr", "0.1", "--nproc-per-node", "9")
+    assert cfg.script == "train.py" and cfg.nproc_per_node == 2
+    assert cfg.script_args == ("--lr", "0.1", "--nproc-per-node", "9")
+    assert parse("--", "train.py", "-x").script_args == ("-x",)
+    assert parse("-m", "pkg.train", "a").module
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2", "--master-port", "29500", "t.py"], "needs --master-addr"),
+        (["--nnodes", "2", "--master-addr", "h", "t.py"], "needs --master-port"),
+        (
+            [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--master-addr",
+                "h",
+                "--master-port",
+                "1",
+                "t.py",
+            ],
+            r"--node-rank must be in 0\.\.1 for --nnodes 2, got 2",
+        ),
+        (["--nproc-per-node", "0", "t.py"], "--nproc-per-node must be >= 1, got 0"),
+        (["--master-port", "70000", "t.py"], "--master-port must be in 1..65535"),
+    ],
+)
+def test_bad_options_are_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*argv)
+
+
+def test_each_worker_gets_its_own_gpus_or_cpu_cores():
+    cfg = LaunchConfig("t.py", nproc_per_node=2, max_restarts=3, run_id="r1")
+    kw = dict(port=1234, restart_count=1, error_file="e", base={}, cpus=[0, 1, 2, 3])
+    gpu = _env.worker_env(cfg, 1, gpus=["4", "5", "6", "7"], **kw)
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "6,7" and "FDP_CPU_AFFINITY" not in gpu
+    assert (gpu["RANK"], gpu["LOCAL_RANK"], gpu["WORLD_SIZE"], gpu["MASTER_PORT"]) == (
+        "1",
+        "1",
+        "2",
+        "1234",
+    )
+    assert (gpu["FDP_RESTART_COUNT"], gpu["FDP_MAX_RESTARTS"], gpu["FDP_RUN_ID"]) == (
+        "1",
+        "3",
+        "r1",
+    )
+    cpu = _env.worker_env(cfg, 1, gpus=[], **kw)
+    assert cpu["FDP_CPU_AFFINITY"] == "2,3" and cpu["OMP_NUM_THREADS"] == "2"
+    assert "CUDA_VISIBLE_DEVICES" not in cpu
+    mine = _env.worker_env(cfg, 0, gpus=[], **{**kw, "base": {"OMP_NUM_THREADS": "7"}})
+    assert mine["OMP_NUM_THREADS"] == "7"  # the user's setting wins
+    off = LaunchConfig("t.py", nproc_per_node=2, bind_gpus=False, bind_cpus=False)
+    plain = _env.worker_env(off, 0, gpus=["0", "1"], **kw)
+    assert "CUDA_VISIBLE_DEVICES" not in plain and plain["OMP_NUM_THREADS"] == "1"
+    assert _env.detect_gpus({"CUDA_VISIBLE_DEVICES": "3,5"}) == ["3", "5"]
+    assert _env.detect_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_workers_get_torchrun_variables_and_prefixed_output(tmp_path, marker):
+    out = launch(["--nproc-per-node", "2"], "probe.py", ["ok", tmp_path], marker, timeout=60)
+    assert out.returncode == 0, out.output
+    seen = records(tmp_path)
+    assert sorted(seen) == [0, 1]
+    for rank, rec in seen.items():
+        env = rec["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"]) == (str(rank), str(rank), "0")
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("2", "2")
+        assert env["MASTER_ADDR"] == "127.0.0.1" and 0 < int(env["MASTER_PORT"]) < 65536
+        assert env["FDP_RESTART_COUNT"] == "0" and env["FDP_RUN_ID"] == seen[0]["env"]["FDP_RUN_ID"]
+        assert rec["argv"][1:] == ["ok", str(tmp_path)]
+        assert f"[rank {rank}] out from rank {rank}, attempt 0" in out.stdout
+        assert f"[rank {rank}] err from rank {rank}" in out.stderr
+    if len(os.sched_getaffinity(0)) >= 2:  # each worker pinned to its own share of cores
+        assert not set(seen[0]["affinity"]) & set(seen[1]["affinity"])
+
+
+def test_each_worker_gets_one_of_the_visible_gpus(tmp_path, marker):
+    """GPUs are found without JAX (here from CUDA_VISIBLE_DEVICES; this host has none)."""
+    out = launch(
+        ["--nproc-per-node", "2"],
+        "probe.py",
+        ["ok", tmp_path],
+        marker,
+        timeout=60,
+        CUDA_VISIBLE_DEVICES="3,5",
+    )
+    assert out.returncode == 0, out.output
+    envs = {rank: rec["env"] for rank, rec in records(tmp_path).items()}
+    assert [envs[r]["CUDA_VISIBLE_DEVICES"] for r in (0, 1)] == ["3", "5"]
+    assert "FDP_CPU_AFFINITY" not in envs[0]
+
+
+def test_log_dir_gets_one_file_per_rank(tmp_path, marker):
+    logs = tmp_path / "logs"
+    out = launch(
+        ["--nproc-per-node", "2", "--log-dir", logs],
+        "probe.py",
+        ["ok", tmp_path],
+        marker,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.output
+    for rank in (0, 1):
+        text = (logs / "attempt_0" / f"rank_{rank}.log").read_text()
+        assert f"out from rank {rank}" in text and f"err from rank {rank}" in text
+    assert "[rank" not in out.stdout
+
+
+def summary(result):
+    """fdp launch's failure summary (after the workers' own output)."""
+    return result.stderr.split("fdp launch: the worker group failed", 1)[1]
+
+
+def failure_seconds(result, outdir):
+    return result.ended_at - float((outdir / "failed_1").read_text())
+
+
+def test_a_worker_that_raises_ends_the_launch_with_its_traceback(tmp_path, marker):
+    """The other worker sleeps; the launch exits 1 within FAILURE_BOUND s, naming rank 1."""
+    out = launch(["--nproc-per-node", "2"], "probe.py", ["raise", tmp_path], marker, timeout=60)
+    assert out.returncode == 1, out.output
+    assert "root cause: rank 1 (local rank 1" in out.stderr
+    assert "ended with exit code 1" in out.stderr
+    assert 'raise RuntimeError("rank 1 failed on purpose")' in out.stderr
+    assert "RuntimeError: rank 1 failed on purpose" in summary(out)
+    assert "stopped after the failure: rank 0 (signal SIGTERM (15))" in out.stderr
+    assert failure_seconds(out, tmp_path) < FAILURE_BOUND
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSEGV"])
+def test_a_worker_killed_by_a_signal_is_named_with_the_signal(tmp_path, marker, sig):
+    out = launch(
+        ["--nproc-per-node", "2"], "probe.py", [f"signal:{sig}", tmp_path], marker, timeout=60
+    )
+    assert out.returncode == 1, out.output
+    number = int(getattr(signal, sig))
+    assert "root cause: rank 1 (local rank 1" in out.stderr
+    assert f"ended with signal {sig} ({number})" in out.stderr
+    assert "out from rank 1" in summary(out)  # its last output
+    assert failure_seconds(out, tmp_path) < FAILURE_BOUND
+
+
+def test_restarts_the_group_after_a_failure(tmp_path, marker):
+    out = launch(
+        ["--nproc-per-node", "2", "--max-restarts", "2"],
+        "probe.py",
+        ["flaky", tmp_path],
+        marker,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.output
+    assert "attempt 1 of 3 failed: rank 1 ended with exit code 3" in out.stderr
+    assert "[rank 0] out from rank 0, attempt 1" in out.stdout
+    assert "attempt 2" not in out.stdout
+    assert records(tmp_path)[1]["env"]["FDP_RESTART_COUNT"] == "1"
+
+
+def test_gives_up_after_max_restarts(tmp_path, marker):
+    out = launch(
+        ["--nproc-per-node", "2", "--max-restarts", "2"],
+        "probe.py",
+        ["fail", tmp_path],
+        marker,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.output
+    assert [f"attempt {a}" in out.stdout for a in range(3)] == [True] * 3
+    assert "failed (attempt 3 of 3" in out.stderr and "exit code 4" in out.stderr
+
+
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, marker):
+    out = launch(
+        ["--nproc-per-node", "2", "--grace-period", "1"],
+        "probe.py",
+        ["stubborn", tmp_path],
+        marker,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.output
+    assert "rank 0 (signal SIGKILL (9))" in out.stderr
+    assert failure_seconds(out, tmp_path) < FAILURE_BOUND
+
+
+def test_what_a_worker_started_dies_with_it(tmp_path, marker):
+    """The workers' `sleep 600` children are killed too (the marker fixture checks)."""
+    out = launch(
+        ["--nproc-per-node", "2"], "probe.py", ["grandchild", tmp_path], marker, timeout=60
+    )
+    assert out.returncode == 1 and "exit code 6" in out.stderr, out.output
+    for rank in (0, 1):
+        assert not alive(int((tmp_path / f"grandchild_{rank}").read_text()))
+
+
+def wait_ready(outdir, count, timeout=60):
+    deadline = time.monotonic() + timeout
+    while len(list(outdir.glob("ready_*.json"))) < count:
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_signals_to_the_launcher_reach_the_workers(tmp_path, marker, sig, code):
+    started = time.monotonic()
+    proc = start(
+        ["-m", "fdp.launch", "--nproc-per-node", "2", WORKERS / "probe.py", "trap", tmp_path],
+        marker,
+    )
+    wait_ready(tmp_path, 2)
+    proc.send_signal(getattr(signal, sig))
+    out = finish(proc, 60, started)
+    assert out.returncode == code, out.output
+    assert f"received {sig}" in out.stderr
+    if sig == "SIGTERM":  # the workers' own handlers ran
+        assert sorted(p.name for p in tmp_path.glob("term_*")) == ["term_0", "term_1"]
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path, marker):
+    """SIGKILL gives the agent no chance to stop anyone: the kernel ends the workers."""
+    started = time.monotonic()
+    proc = start(
+        ["-m", "fdp.launch", "--nproc-per-node", "2", WORKERS / "probe.py", "sleep", tmp_path],
+        marker,
+    )
+    wait_ready(tmp_path, 2)
+    proc.kill()
+    finish(proc, 30, started)
+    pids = [rec["pid"] for rec in records(tmp_path).values()]
+    deadline = time.monotonic() + 10
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)]
+
+
+def test_fdp_launch_subcommand_and_busy_port(tmp_path, marker):
+    """`python -m fdp launch` is the same launcher; a fixed port reaches every worker."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    proc = start(
+        [
+            "-m",
+            "fdp",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            port,
+            WORKERS / "probe.py",
+            "ok",
+            tmp_path,
+        ],
+        marker,
+    )
+    out = finish(proc, 60, started)
+    assert out.returncode == 0, out.output
+    assert {r["env"]["MASTER_PORT"] for r in records(tmp_path).values()} == {str(port)}
+
+
+# JAX workers, joined by fdp.init: the failure of one must not leave the other hanging.
+
+
+@pytest.mark.parametrize("mode", ["raise", "sigkill"])
+def test_a_jax_worker_waiting_at_a_barrier_is_stopped_when_its_peer_dies(tmp_path, marker, mode):
+    """Rank 0 waits at a 30-minute barrier; the launch still ends within FAILURE_BOUND s."""
+    stamp = tmp_path / "failed_1"
+    out = launch(["--nproc-per-node", "2"], "failing.py", [mode, stamp], marker, timeout=120)
+    assert out.returncode == 1, out.output
+    assert "root cause: rank 1 (local rank 1" in out.stderr
+    expected = "exit code 1" if mode == "raise" else "signal SIGKILL (9)"
+    assert f"ended with {expected}" in out.stderr
+    if mode == "raise":
+        assert "RuntimeError: rank 1 failed on purpose" in summary(out)
+    assert failure_seconds(out, tmp_path) < FAILURE_BOUND
+
+
+def test_a_straggler_is_named_by_monitored_barrier(tmp_path, marker):
+    """Rank 1 never arrives; rank 0's monitored_barrier(timeout=3) names it, and the launch ends."""
+    stamp = tmp_path / "failed_1"
+    out = launch(["--nproc-per-node", "2"], "failing.py", ["straggle", stamp], marker, timeout=120)
+    assert out.returncode == 1, out.output
+    cause = summary(out)
+    assert "root cause: rank 0 (local rank 0" in cause
+    assert "process(es) [1] did not arrive within 3 s (arrived: [0])" in cause
+    assert failure_seconds(out, tmp_path) < 3 + FAILURE_BOUND

@@ -1,0 +1,88 @@
+"""Trains a small MLP data-parallel, with per-process data and checkpoints (for tests).
+
+    train.py --out params.npz [--devices 2] [--replicas R] [--ckpt-dir D]
+             [--die-at-step S] [--narrow-rank R]
+
+Under `fdp launch` each process feeds its own local batches, read with a
+DistributedSampler. Alone, `--replicas R` builds the same global batches from R
+samplers, so both runs see identical data. Each process initialises the model with
+its own seed: fdp.replicate must hand everyone process 0's values.
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
+parser.add_argument("--replicas", type=int, default=1, help="samplers to simulate alone")
+parser.add_argument("--steps", type=int, default=8)
+parser.add_argument("--global-batch", type=int, default=16)
+parser.add_argument("--ckpt-dir")
+parser.add_argument("--ckpt-every", type=int, default=2)
+parser.add_argument("--die-at-step", type=int, default=0, help="rank 1 SIGKILLs itself here")
+parser.add_argument("--narrow-rank", type=int, default=-1, help="this rank builds a narrower MLP")
+args = parser.parse_args()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", args.devices)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training.train_state import TrainState  # noqa: E402
+
+import fdp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _models import MLP, cross_entropy, make_data  # noqa: E402
+
+fdp.init(initialization_timeout=60)
+rank, nproc = fdp.process_index(), fdp.process_count()
+data = make_data(0, 96)
+replicas = nproc if nproc > 1 else args.replicas
+samplers = [
+    fdp.DistributedSampler(len(data["y"]), replicas, r, shuffle=True, seed=0, drop_last=True)
+    for r in ([rank] if nproc > 1 else range(replicas))
+]
+local_batch = args.global_batch // replicas
+steps_per_epoch = samplers[0].num_batches(local_batch)
+
+model = MLP(features=(32, 8) if rank == args.narrow_rank else (32, 16))
+params = model.init(jax.random.key(rank), np.zeros((1, 8, 8, 1), np.float32))["params"]
+mesh = fdp.data_mesh()
+state = fdp.replicate(TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2)))
+step_fn = fdp.train_step(cross_entropy(model.apply), mesh=mesh)
+
+start = 0
+ckpt = fdp.CheckpointManager(args.ckpt_dir, max_to_keep=2) if args.ckpt_dir else None
+if ckpt is not None and ckpt.latest_step() is not None:
+    state, position, start = ckpt.restore(state)
+    assert position["epoch"] * steps_per_epoch + position["batch"] == start, position
+    print(f"resumed at step {start} from {position}", flush=True)
+
+for step in range(start, args.steps):
+    epoch, batch = divmod(step, steps_per_epoch)
+    rows = []
+    for s in samplers:
+        s.set_epoch(epoch)
+        rows.append(s.indices()[batch * local_batch : (batch + 1) * local_batch])
+    local = {k: v[np.concatenate(rows)] for k, v in data.items()}
+    state, metrics = step_fn(state, fdp.shard_batch(local, mesh))
+    if ckpt is not None and (step + 1) % args.ckpt_every == 0:
+        epoch, batch = divmod(step + 1, steps_per_epoch)
+        ckpt.save(step + 1, state, data_position={"epoch": epoch, "batch": batch})
+    restarted = int(os.environ.get("FDP_RESTART_COUNT", "0"))
+    if step + 1 == args.die_at_step and rank == 1 and restarted == 0:
+        print(f"rank 1 kills itself after step {step + 1}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if ckpt is not None:
+    ckpt.close()
+if rank == 0:
+    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    arrays = {jax.tree_util.keystr(p): np.asarray(x.addressable_data(0)) for p, x in flat}
+    np.savez(args.out, step=int(state.step), **arrays)
+print(f"done: step {int(state.step)}, loss {float(metrics['loss']):.6f}", flush=True)
