@@ -1,0 +1,76 @@
+"""fdp side of benchmarks/multiprocess.py: one process per device (run under fdp launch).
+
+    python benchmarks/_mp_fdp.py --model mlp --batch 64 --steps 20 --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="mlp")
+parser.add_argument("--batch", type=int, default=64, help="examples per process per step")
+parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
+parser.add_argument("--rounds", type=int, default=3)
+parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+parser.add_argument("--layout", default="leaves")
+parser.add_argument("--keep-buckets", action="store_true",
+                    help="compile without XLA:CPU's all-reduce combiner (buckets stay apart)")
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 1)
+
+import optax  # noqa: E402
+from _mp_models import LR, init_params, jax_loss, make_batches, param_count  # noqa: E402
+from flax.training.train_state import TrainState  # noqa: E402
+
+import fdp  # noqa: E402
+
+fdp.init(initialization_timeout=120)
+rank, nproc = fdp.process_index(), fdp.process_count()
+params = init_params(args.model)
+state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR)))
+step = fdp.train_step(jax_loss(args.model), bucket_cap_mb=args.bucket_cap_mb, layout=args.layout)
+if args.keep_buckets:
+    step._jitted = jax.jit(
+        step._global_step,
+        donate_argnums=(0,),
+        compiler_options={"xla_disable_hlo_passes": "cpu-all-reduce-combiner"},
+    )
+batches = [fdp.shard_batch(b) for b in make_batches(args.model, args.batch, 4, 100 + rank)]
+
+losses = []
+for i in range(args.warmup):
+    state, metrics = step(state, batches[i % len(batches)])
+    losses.append(float(metrics["loss"]))
+rounds = []
+for _ in range(args.rounds):
+    start = time.perf_counter()
+    for i in range(args.steps):
+        state, metrics = step(state, batches[i % len(batches)])
+    jax.block_until_ready(state)
+    rounds.append((time.perf_counter() - start) / args.steps)
+if rank == 0:
+    step_s = statistics.median(rounds)
+    with open(args.out, "w") as f:
+        json.dump({
+            "framework": "fdp", "model": args.model, "nproc": nproc, "batch": args.batch,
+            "params": param_count(params), "step_s": step_s, "round_step_s": rounds,
+            "examples_per_s": args.batch * nproc / step_s, "first_losses": losses,
+            "bucket_cap_mb": args.bucket_cap_mb, "layout": args.layout,
+            "keep_buckets": args.keep_buckets,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "threads": os.environ.get("OMP_NUM_THREADS", ""),
+            "affinity": sorted(os.sched_getaffinity(0)),
+        }, f)

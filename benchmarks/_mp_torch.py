@@ -1,0 +1,77 @@
+"""PyTorch DDP side of benchmarks/multiprocess.py (run under torchrun).
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/_mp_torch.py --model mlp ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="mlp")
+parser.add_argument("--batch", type=int, default=64, help="examples per process per step")
+parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
+parser.add_argument("--rounds", type=int, default=3)
+parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _mp_models import LR, init_params, make_batches, param_count, torch_module  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, nproc = dist.get_rank(), dist.get_world_size()
+params = init_params(args.model)
+model = DDP(torch_module(args.model, params), bucket_cap_mb=args.bucket_cap_mb)
+opt = torch.optim.SGD(model.parameters(), lr=LR)
+batches = [
+    {"x": torch.from_numpy(b["x"]), "y": torch.from_numpy(b["y"]).long()}
+    for b in make_batches(args.model, args.batch, 4, 100 + rank)
+]
+
+
+def train_step(batch):
+    opt.zero_grad(set_to_none=True)
+    logits = model(batch["x"])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             batch["y"].reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss
+
+
+losses = []
+for i in range(args.warmup):
+    loss = train_step(batches[i % len(batches)])
+    # The all-reduced mean loss, to compare with fdp's metrics["loss"].
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    losses.append(float(mean) / nproc)
+rounds = []
+for _ in range(args.rounds):
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        train_step(batches[i % len(batches)])
+    rounds.append((time.perf_counter() - start) / args.steps)
+if rank == 0:
+    step_s = statistics.median(rounds)
+    with open(args.out, "w") as f:
+        json.dump({
+            "framework": "torch", "model": args.model, "nproc": nproc, "batch": args.batch,
+            "params": param_count(params), "step_s": step_s, "round_step_s": rounds,
+            "examples_per_s": args.batch * nproc / step_s, "first_losses": losses,
+            "bucket_cap_mb": args.bucket_cap_mb, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "affinity": sorted(os.sched_getaffinity(0)),
+        }, f)
+dist.destroy_process_group()
