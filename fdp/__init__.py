@@ -13,6 +13,9 @@ from fdp._accumulate import grad_accumulator as grad_accumulator
 from fdp._checkpoint import CheckpointManager as CheckpointManager
 from fdp._checkpoint import Restored as Restored
 from fdp._data_parallel import data_parallel as data_parallel
+from fdp._debug import DebugLevel as DebugLevel
+from fdp._debug import debug_level as debug_level
+from fdp._debug import set_debug_level as set_debug_level
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
 from fdp._hlo import loop_collectives as loop_collectives
@@ -47,6 +50,7 @@ __all__ = [
     "CollectiveStats",
     "DATA_AXIS",
     "DataParallelStep",
+    "DebugLevel",
     "DistributedSampler",
     "GradAccumulator",
     "NNXDataParallelStep",
@@ -61,6 +65,7 @@ __all__ = [
     "collectives",
     "data_mesh",
     "data_parallel",
+    "debug_level",
     "find_unused_parameters",
     "grad_accumulator",
     "hooks",
@@ -77,6 +82,7 @@ __all__ = [
     "reduce_gradients",
     "replicate",
     "runtime",
+    "set_debug_level",
     "shard_batch",
     "train_step",
 ]

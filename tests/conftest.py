@@ -1,5 +1,6 @@
-"""Fixtures for tests that start real processes."""
+"""Fixtures for tests that start real processes, and for tests that set the debug level."""
 
+import logging
 import sys
 import uuid
 
@@ -26,3 +27,19 @@ def marker():
     yield tag
     left = survivors(tag)
     assert not left, f"processes outlived the test (now killed): {left}"
+
+
+@pytest.fixture
+def fdp_debug(monkeypatch):
+    """The debug level starts OFF (FDP_DEBUG unset); the "fdp" logger is restored after."""
+    from fdp import _debug
+
+    monkeypatch.delenv("FDP_DEBUG", raising=False)
+    logger = logging.getLogger("fdp")
+    handlers, level = list(logger.handlers), logger.level
+    own_level = getattr(logger, "_fdp_set_level", False)
+    yield
+    _debug._override = None
+    logger.handlers[:] = handlers
+    logger.setLevel(level)  # (also clears the loggers' cached levels)
+    logger._fdp_set_level = own_level
