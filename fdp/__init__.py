@@ -16,6 +16,10 @@ from fdp._data_parallel import data_parallel as data_parallel
 from fdp._debug import DebugLevel as DebugLevel
 from fdp._debug import debug_level as debug_level
 from fdp._debug import set_debug_level as set_debug_level
+from fdp._describe import BucketReport as BucketReport
+from fdp._describe import BucketRow as BucketRow
+from fdp._describe import bucket_report as bucket_report
+from fdp._describe import describe as describe
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
 from fdp._hlo import loop_collectives as loop_collectives
@@ -46,6 +50,8 @@ from fdp.runtime import process_index as process_index
 
 __all__ = [
     "Accumulated",
+    "BucketReport",
+    "BucketRow",
     "CheckpointManager",
     "CollectiveStats",
     "DATA_AXIS",
@@ -59,6 +65,7 @@ __all__ = [
     "Restored",
     "TrainState",
     "__version__",
+    "bucket_report",
     "bucketing",
     "check_consistent",
     "collective_stats",
@@ -66,6 +73,7 @@ __all__ = [
     "data_mesh",
     "data_parallel",
     "debug_level",
+    "describe",
     "find_unused_parameters",
     "grad_accumulator",
     "hooks",
