@@ -31,6 +31,7 @@ from fdp._placement import replicate as replicate
 from fdp._placement import shard_batch as shard_batch
 from fdp._reduction import reduce_gradients as reduce_gradients
 from fdp._sampler import DistributedSampler as DistributedSampler
+from fdp._stats import StatsSchedule as StatsSchedule
 from fdp._step import DataParallelStep as DataParallelStep
 from fdp._step import train_step as train_step
 from fdp._step_common import PerDevice as PerDevice
@@ -63,6 +64,7 @@ __all__ = [
     "ParamUsage",
     "PerDevice",
     "Restored",
+    "StatsSchedule",
     "TrainState",
     "__version__",
     "bucket_report",
