@@ -1,4 +1,4 @@
-"""What a train step does besides stepping: its INFO log and runtime stats.
+"""What a train step does besides stepping: its INFO log, DETAIL check and runtime stats.
 
 A step owns one :class:`Observer` and routes its calls through
 :meth:`Observer.run` while ``observer.on`` is true. The first call always goes
@@ -7,8 +7,8 @@ turns ``on`` off, so that later calls cost the step one attribute check and the
 compiled program is the one it would be without fdp's observability.
 
 Otherwise, before the first step runs, the observer traces the step (the call
-that follows reuses that trace) and logs its settings at INFO. Nothing it does
-enters the traced program.
+that follows reuses that trace), logs its settings at INFO, and compares them
+across processes at DETAIL. Nothing it does enters the traced program.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from fdp import _fingerprint
 from fdp._debug import DebugLevel, debug_level, logger
 from fdp._hlo import collective_stats
 from fdp._stats import RuntimeStats, StatsSchedule, check_schedule
@@ -33,7 +34,7 @@ class Observer:
       arg_names: names of the jitted function's arguments.
       batch_arg: position of the global batch among them.
       stats: ``True`` or a :class:`fdp.StatsSchedule` to sample runtime
-        statistics at any debug level (they are sampled at INFO and above
+        statistics at any debug level (they are sampled at INFO and DETAIL
         anyway).
     """
 
@@ -48,6 +49,7 @@ class Observer:
         self.on = True  # the step routes calls through run() while this is true
         self.level: DebugLevel | None = None  # read at the first call
         self.runtime: RuntimeStats | None = None
+        self.agreed_digest: str | None = None
         self._step = step
         self._kind = kind
         self._arg_names = arg_names
@@ -81,6 +83,22 @@ class Observer:
         )
         if level >= DebugLevel.INFO:
             logger.info("%s", self.render(self.logging_data()))
+        if level >= DebugLevel.DETAIL:
+            logger.debug(
+                "%s: collectives per step, per device, in the lowered program: %s",
+                self._kind,
+                collectives.summary(),
+            )
+            named = dict(zip(self._arg_names, args, strict=True))
+            fingerprint = _fingerprint.step_fingerprint(self._step, self._kind, named, lowered)
+            self.agreed_digest = _fingerprint.check_across_processes(fingerprint)
+            logger.debug(
+                "%s: %d process(es) agree on the step (%d fields, sha256 %s)",
+                self._kind,
+                jax.process_count(),
+                len(fingerprint),
+                self.agreed_digest[:16],
+            )
         # Only now: if anything above raised, the next call is a first call again.
         self.level, self.runtime = level, runtime
         return self._sample(fn, args)

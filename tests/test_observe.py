@@ -49,7 +49,7 @@ def compiled_after_running(level, **kwargs):
 
 
 def test_the_compiled_step_is_the_same_at_every_level():
-    runs = [("OFF", {}), ("INFO", {}), ("OFF", {"stats": True})]
+    runs = [("OFF", {}), ("INFO", {}), ("DETAIL", {}), ("OFF", {"stats": True})]
     texts = [compiled_after_running(level, **kwargs) for level, kwargs in runs]
     assert all(program(t) == program(texts[0]) for t in texts[1:])
     assert "fdp_bucket_2" in texts[0] and "FileNames" in texts[0]  # the normalising kept ops
@@ -77,7 +77,7 @@ def test_off_routes_only_the_first_call_through_the_observer(monkeypatch):
 
 def test_observing_does_not_trace_the_step_again():
     traces = {}
-    for level in ("OFF", "INFO"):
+    for level in ("OFF", "DETAIL"):
         fdp.set_debug_level(level)
         state = fdp.replicate(make_state("mlp", "sgd"))
         loss = cross_entropy(state.apply_fn)
@@ -91,7 +91,7 @@ def test_observing_does_not_trace_the_step_again():
         for _ in range(3):
             state, _ = step(state, fdp.shard_batch(make_data(0, 16)))
         traces[level] = count[0]
-    assert traces["INFO"] == traces["OFF"] == 2  # usage analysis, then the step
+    assert traces["DETAIL"] == traces["OFF"] == 2  # usage analysis, then the step
 
 
 def test_each_bucket_reduction_is_named_in_the_program():
