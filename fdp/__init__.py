@@ -23,6 +23,8 @@ from fdp._describe import describe as describe
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
 from fdp._hlo import loop_collectives as loop_collectives
+from fdp._info import format_info as format_info
+from fdp._info import info as info
 from fdp._nnx_step import NNXDataParallelStep as NNXDataParallelStep
 from fdp._nnx_step import nnx_train_step as nnx_train_step
 from fdp._placement import DATA_AXIS as DATA_AXIS
@@ -77,8 +79,10 @@ __all__ = [
     "debug_level",
     "describe",
     "find_unused_parameters",
+    "format_info",
     "grad_accumulator",
     "hooks",
+    "info",
     "init",
     "join",
     "local_rank",

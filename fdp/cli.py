@@ -1,4 +1,4 @@
-"""The ``fdp`` command line: ``fdp version``, ``fdp launch``, ``fdp describe``."""
+"""The ``fdp`` command line: ``fdp version``, ``fdp launch``, ``fdp info``, ``fdp describe``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ Command = Callable[[argparse.Namespace], int]
 def _version(args: argparse.Namespace) -> int:
     del args
     print(f"fdp {__version__}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from fdp._info import format_info, info
+
+    report = info()
+    print(json.dumps(report, indent=2) if args.json else format_info(report))
     return 0
 
 
@@ -53,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch_cli.add_arguments(launch)
     launch.set_defaults(run=lambda args: launch_cli.run(args, launch))
+    info = sub.add_parser(
+        "info",
+        help="print versions, devices, environment and collectives (for bug reports)",
+    )
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(run=_info)
     describe = sub.add_parser(
         "describe",
         help="print the gradient buckets of a demo model",
