@@ -6,6 +6,7 @@ profiler trace shows it by bucket index.
 
 import re
 
+import jax
 import pytest
 from _models import cross_entropy, make_data, make_state
 
@@ -109,3 +110,17 @@ def test_each_bucket_reduction_is_named_in_the_program():
     reduce_lines = [line for line in compiled.splitlines() if " all-reduce(" in line]
     in_reduces = set(re.findall(r"fdp_bucket_\d+", " ".join(reduce_lines)))
     assert in_reduces == set(names)
+
+
+def test_a_profile_names_each_bucket(tmp_path):
+    """The XPlane profile (TensorBoard / XProf) carries the op names, so the buckets."""
+    state = fdp.replicate(make_state("mlp", "sgd"))
+    step = fdp.train_step(cross_entropy(state.apply_fn), **CAPS)
+    batch = fdp.shard_batch(make_data(0, 16))
+    state, _ = step(state, batch)
+    with jax.profiler.trace(str(tmp_path)):
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+    (profile,) = tmp_path.glob("plugins/profile/*/*.xplane.pb")
+    names = set(re.findall(rb"fdp_bucket_\d+", profile.read_bytes()))
+    assert names == {b"fdp_bucket_0", b"fdp_bucket_1", b"fdp_bucket_2"}
