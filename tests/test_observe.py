@@ -6,9 +6,9 @@ profiler trace shows it by bucket index.
 
 import re
 
-import jax
 import pytest
 from _models import cross_entropy, make_data, make_state
+from _procs import run
 
 import fdp
 from fdp import _observe
@@ -112,15 +112,31 @@ def test_each_bucket_reduction_is_named_in_the_program():
     assert in_reduces == set(names)
 
 
-def test_a_profile_names_each_bucket(tmp_path):
-    """The XPlane profile (TensorBoard / XProf) carries the op names, so the buckets."""
-    state = fdp.replicate(make_state("mlp", "sgd"))
-    step = fdp.train_step(cross_entropy(state.apply_fn), **CAPS)
-    batch = fdp.shard_batch(make_data(0, 16))
-    state, _ = step(state, batch)
-    with jax.profiler.trace(str(tmp_path)):
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-    (profile,) = tmp_path.glob("plugins/profile/*/*.xplane.pb")
-    names = set(re.findall(rb"fdp_bucket_\d+", profile.read_bytes()))
-    assert names == {b"fdp_bucket_0", b"fdp_bucket_1", b"fdp_bucket_2"}
+PROFILE = """
+import re, sys, pathlib
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+sys.path.insert(0, "tests")
+import fdp
+from _models import cross_entropy, make_data, make_state
+from _procs import run
+state = fdp.replicate(make_state("mlp", "sgd"))
+step = fdp.train_step(cross_entropy(state.apply_fn), bucket_cap_mb=0.005, first_bucket_cap_mb=0.001)
+batch = fdp.shard_batch(make_data(0, 16))
+state, _ = step(state, batch)
+with jax.profiler.trace(sys.argv[1]):
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+(profile,) = pathlib.Path(sys.argv[1]).glob("plugins/profile/*/*.xplane.pb")
+print(sorted(set(re.findall(rb"fdp_bucket_\\d+", profile.read_bytes()))))
+"""
+
+
+def test_a_profile_names_each_bucket(tmp_path, marker):
+    """The XPlane profile (TensorBoard / XProf) carries the op names, so the buckets.
+
+    In a fresh process: a profile also describes other programs the process compiled.
+    """
+    out = run(["-c", PROFILE, tmp_path], marker, timeout=120)
+    assert out.returncode == 0, out.output
+    assert out.stdout.strip() == "[b'fdp_bucket_0', b'fdp_bucket_1', b'fdp_bucket_2']"
