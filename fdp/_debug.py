@@ -42,6 +42,8 @@ class DebugLevel(enum.IntEnum):
 
 # None: follow the FDP_DEBUG environment variable; otherwise set_debug_level's value.
 _override: DebugLevel | None = None
+# The level fdp gave the "fdp" logger, if it gave it one.
+_level_set: int | None = None
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -123,18 +125,20 @@ def set_debug_level(level: DebugLevel | str | None) -> None:
 
 def _configure(level: DebugLevel) -> None:
     """Lets INFO records through at INFO and above, and gives them a handler if none is."""
-    own = [h for h in logger.handlers if isinstance(h, _StderrHandler)]
+    global _level_set
+    # The "fdp" logger's level is fdp's to change only while nobody else changed it:
+    # unset, or still the value fdp gave it.
+    ours = logger.level == logging.NOTSET or logger.level == _level_set
     if level == DebugLevel.OFF:
-        for handler in own:
+        for handler in [h for h in logger.handlers if isinstance(h, _StderrHandler)]:
             logger.removeHandler(handler)
-        if getattr(logger, "_fdp_set_level", False):
+        if ours:
             logger.setLevel(logging.NOTSET)
-            logger._fdp_set_level = False  # type: ignore[attr-defined]
+        _level_set = None
         return
-    # Only lower a level the user has not set, and never raise one they lowered.
-    if logger.level == logging.NOTSET or getattr(logger, "_fdp_set_level", False):
-        logger.setLevel(logging.DEBUG if level == DebugLevel.DETAIL else logging.INFO)
-        logger._fdp_set_level = True  # type: ignore[attr-defined]
+    if ours:
+        _level_set = logging.DEBUG if level == DebugLevel.DETAIL else logging.INFO
+        logger.setLevel(_level_set)
     configured = [h for h in logger.handlers if not isinstance(h, logging.NullHandler)]
     if not configured and not logging.getLogger().handlers:
         logger.addHandler(_StderrHandler())

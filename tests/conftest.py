@@ -36,10 +36,8 @@ def fdp_debug(monkeypatch):
 
     monkeypatch.delenv("FDP_DEBUG", raising=False)
     logger = logging.getLogger("fdp")
-    handlers, level = list(logger.handlers), logger.level
-    own_level = getattr(logger, "_fdp_set_level", False)
+    handlers, level, level_set = list(logger.handlers), logger.level, _debug._level_set
     yield
-    _debug._override = None
+    _debug._override, _debug._level_set = None, level_set
     logger.handlers[:] = handlers
     logger.setLevel(level)  # (also clears the loggers' cached levels)
-    logger._fdp_set_level = own_level

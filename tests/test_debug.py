@@ -147,3 +147,12 @@ def test_a_first_call_that_fails_leaves_the_next_call_a_first_call(caplog):
     state, _ = step(state, fdp.shard_batch(make_data(0, 16)))
     assert step.stats()["steps"] == 1
     assert sum("before its first step" in r.message for r in fdp_records(caplog)) == 1
+
+
+def test_a_level_the_user_gave_the_fdp_logger_is_kept(caplog):
+    caplog.set_level(logging.DEBUG)
+    fdp.set_debug_level("DETAIL")
+    logging.getLogger("fdp").setLevel(logging.WARNING)  # the user silences fdp
+    run_mlp(steps=2)
+    assert fdp_records(caplog) == []
+    assert logging.getLogger("fdp").level == logging.WARNING
