@@ -13,9 +13,18 @@ from fdp._accumulate import grad_accumulator as grad_accumulator
 from fdp._checkpoint import CheckpointManager as CheckpointManager
 from fdp._checkpoint import Restored as Restored
 from fdp._data_parallel import data_parallel as data_parallel
+from fdp._debug import DebugLevel as DebugLevel
+from fdp._debug import debug_level as debug_level
+from fdp._debug import set_debug_level as set_debug_level
+from fdp._describe import BucketReport as BucketReport
+from fdp._describe import BucketRow as BucketRow
+from fdp._describe import bucket_report as bucket_report
+from fdp._describe import describe as describe
 from fdp._hlo import CollectiveStats as CollectiveStats
 from fdp._hlo import collective_stats as collective_stats
 from fdp._hlo import loop_collectives as loop_collectives
+from fdp._info import format_info as format_info
+from fdp._info import info as info
 from fdp._nnx_step import NNXDataParallelStep as NNXDataParallelStep
 from fdp._nnx_step import nnx_train_step as nnx_train_step
 from fdp._placement import DATA_AXIS as DATA_AXIS
@@ -24,6 +33,7 @@ from fdp._placement import replicate as replicate
 from fdp._placement import shard_batch as shard_batch
 from fdp._reduction import reduce_gradients as reduce_gradients
 from fdp._sampler import DistributedSampler as DistributedSampler
+from fdp._stats import StatsSchedule as StatsSchedule
 from fdp._step import DataParallelStep as DataParallelStep
 from fdp._step import train_step as train_step
 from fdp._step_common import PerDevice as PerDevice
@@ -43,27 +53,36 @@ from fdp.runtime import process_index as process_index
 
 __all__ = [
     "Accumulated",
+    "BucketReport",
+    "BucketRow",
     "CheckpointManager",
     "CollectiveStats",
     "DATA_AXIS",
     "DataParallelStep",
+    "DebugLevel",
     "DistributedSampler",
     "GradAccumulator",
     "NNXDataParallelStep",
     "ParamUsage",
     "PerDevice",
     "Restored",
+    "StatsSchedule",
     "TrainState",
     "__version__",
+    "bucket_report",
     "bucketing",
     "check_consistent",
     "collective_stats",
     "collectives",
     "data_mesh",
     "data_parallel",
+    "debug_level",
+    "describe",
     "find_unused_parameters",
+    "format_info",
     "grad_accumulator",
     "hooks",
+    "info",
     "init",
     "join",
     "local_rank",
@@ -77,6 +96,7 @@ __all__ = [
     "reduce_gradients",
     "replicate",
     "runtime",
+    "set_debug_level",
     "shard_batch",
     "train_step",
 ]

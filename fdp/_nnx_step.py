@@ -12,7 +12,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp._local_grads import local_gradients
+from fdp._observe import Observer
 from fdp._placement import DATA_AXIS
+from fdp._stats import StatsSchedule
 from fdp._step_common import (
     LossFn,
     StepConfig,
@@ -45,7 +47,7 @@ class NNXDataParallelStep:
     ``optimizer.fdp_comm_state``.
     """
 
-    def __init__(self, loss_fn: LossFn, cfg: StepConfig):
+    def __init__(self, loss_fn: LossFn, cfg: StepConfig, stats: bool | StatsSchedule = False):
         self.loss_fn = loss_fn
         self.config = cfg
         self.plan: BucketPlan | None = None
@@ -54,6 +56,8 @@ class NNXDataParallelStep:
             self._global_step, static_argnums=(0,), donate_argnums=(1, 2) if cfg.donate else ()
         )
         self._jitted_hook_init = jax.jit(self._hook_init)
+        names = ("graphdef", "comm_state", "state", "batch", "mask")
+        self._observer = Observer(self, "fdp.nnx_train_step", names, 3, stats)
 
     def _hook_init(self, params: Any) -> Any:
         cfg = self.config
@@ -197,9 +201,22 @@ class NNXDataParallelStep:
         """Runs one step in place and returns the metrics."""
         self.init(model, optimizer, batch)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
-        comm, state, metrics = self._jitted(graphdef, comm, state, batch, mask)
+        if self._observer.on:
+            comm, state, metrics = self._observer.run(
+                self._jitted, (graphdef, comm, state, batch, mask)
+            )
+        else:
+            comm, state, metrics = self._jitted(graphdef, comm, state, batch, mask)
         nnx.update((model, optimizer), comm, state)
         return metrics
+
+    def stats(self) -> dict[str, Any]:
+        """Sampled runtime statistics; see :meth:`fdp.DataParallelStep.stats`."""
+        return self._observer.stats()
+
+    def logging_data(self) -> dict[str, Any]:
+        """The step's settings as logged at ``FDP_DEBUG=INFO`` (DDP's logging data)."""
+        return self._observer.logging_data()
 
     def lower(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
@@ -226,6 +243,7 @@ def nnx_train_step(
     per_example: bool = False,
     find_unused_parameters: bool = False,
     buffers: str = "broadcast",
+    stats: bool | StatsSchedule = False,
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
 
@@ -258,6 +276,8 @@ def nnx_train_step(
       buffers: ``'broadcast'`` (device 0's batch statistics) or ``'mean'``
         (averaged over the data axis). ``'local'`` needs one model per device:
         use :func:`fdp.train_step`.
+      stats: sample runtime statistics (``step.stats()``) at any debug level;
+        see :func:`fdp.train_step`.
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.
@@ -308,4 +328,4 @@ def nnx_train_step(
             "per device; an NNX model object holds one. Use fdp.train_step with a Linen "
             "TrainState for this hook."
         )
-    return NNXDataParallelStep(loss_fn, cfg)
+    return NNXDataParallelStep(loss_fn, cfg, stats)

@@ -11,7 +11,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp._local_grads import local_gradients
+from fdp._observe import Observer
 from fdp._placement import DATA_AXIS
+from fdp._stats import StatsSchedule
 from fdp._step_common import (
     LossFn,
     PerDevice,
@@ -44,7 +46,7 @@ class DataParallelStep:
     gives the lowered program for inspection.
     """
 
-    def __init__(self, loss_fn: LossFn, cfg: StepConfig):
+    def __init__(self, loss_fn: LossFn, cfg: StepConfig, stats: bool | StatsSchedule = False):
         self.loss_fn = loss_fn
         self.config = cfg
         self.plan: BucketPlan | None = None
@@ -53,6 +55,8 @@ class DataParallelStep:
         self._jitted = jax.jit(self._global_step, donate_argnums=(0,) if cfg.donate else ())
         self._jitted_stack = jax.jit(self._stack)
         self._jitted_hook_init = jax.jit(self._hook_init)
+        names = ("state", "batch", "rng", "mask")
+        self._observer = Observer(self, "fdp.train_step", names, 1, stats)
 
     # -- state preparation (once, before the first step) ---------------------------
 
@@ -282,7 +286,22 @@ class DataParallelStep:
         """Runs one step: ``(state, batch[, rng][, mask]) -> (state, metrics)``."""
         if self._needs_init(state):
             state = self.init(state)
+        if self._observer.on:
+            return self._observer.run(self._jitted, (state, batch, rng, mask))
         return self._jitted(state, batch, rng, mask)
+
+    def stats(self) -> dict[str, Any]:
+        """Sampled runtime statistics (step time, examples/s, bytes all-reduced per step).
+
+        Sampled at ``FDP_DEBUG=INFO`` or above, or with ``stats=`` in
+        :func:`train_step`; otherwise ``{"enabled": False}``. See
+        docs/observability.md for the fields.
+        """
+        return self._observer.stats()
+
+    def logging_data(self) -> dict[str, Any]:
+        """The step's settings as logged at ``FDP_DEBUG=INFO`` (DDP's logging data)."""
+        return self._observer.logging_data()
 
     def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
         """The lowered step (``.as_text()``, ``.compile()``), without running it."""
@@ -330,6 +349,7 @@ def train_step(
     per_example: bool = False,
     find_unused_parameters: bool = False,
     buffers: str = "broadcast",
+    stats: bool | StatsSchedule = False,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
 
@@ -371,6 +391,9 @@ def train_step(
       buffers: how ``state.batch_stats`` updated by the forward pass is kept:
         ``'broadcast'`` (device 0's, DDP's default), ``'mean'`` (averaged over
         the data axis) or ``'local'`` (one copy per device).
+      stats: sample runtime statistics (``step.stats()``) at any debug level:
+        ``True`` (steps 1-10, then every 100th) or a :class:`fdp.StatsSchedule`.
+        They are sampled at ``FDP_DEBUG=INFO`` and above anyway.
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,
@@ -412,4 +435,4 @@ def train_step(
         find_unused_parameters=find_unused_parameters,
         buffers=buffers,
     )
-    return DataParallelStep(loss_fn, cfg)
+    return DataParallelStep(loss_fn, cfg, stats)

@@ -1,5 +1,6 @@
-"""Fixtures for tests that start real processes."""
+"""Fixtures for tests that start real processes, and for tests that set the debug level."""
 
+import logging
 import sys
 import uuid
 
@@ -26,3 +27,17 @@ def marker():
     yield tag
     left = survivors(tag)
     assert not left, f"processes outlived the test (now killed): {left}"
+
+
+@pytest.fixture
+def fdp_debug(monkeypatch):
+    """The debug level starts OFF (FDP_DEBUG unset); the "fdp" logger is restored after."""
+    from fdp import _debug
+
+    monkeypatch.delenv("FDP_DEBUG", raising=False)
+    logger = logging.getLogger("fdp")
+    handlers, level, level_set = list(logger.handlers), logger.level, _debug._level_set
+    yield
+    _debug._override, _debug._level_set = None, level_set
+    logger.handlers[:] = handlers
+    logger.setLevel(level)  # (also clears the loggers' cached levels)

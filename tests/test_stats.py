@@ -1,0 +1,85 @@
+"""Runtime statistics: the sampling schedule, step times, examples/s and bytes per step."""
+
+import logging
+
+import jax
+import pytest
+from _models import cross_entropy, make_data, make_state
+
+import fdp
+from fdp import _stats
+
+pytestmark = pytest.mark.usefixtures("fdp_debug")
+
+
+def test_schedule_is_the_first_steps_then_every_nth():
+    schedule = fdp.StatsSchedule()
+    assert [n for n in range(1, 1001) if schedule.sampled(n)] == [
+        *range(1, 11),
+        *range(100, 1001, 100),
+    ]
+    with pytest.raises(ValueError, match=r"StatsSchedule.every must be an int >= 1, got 0"):
+        fdp.train_step(lambda p, b: 0.0, stats=fdp.StatsSchedule(every=0))
+    with pytest.raises(TypeError, match="stats must be a bool or a fdp.StatsSchedule, got 5"):
+        fdp.train_step(lambda p, b: 0.0, stats=5)
+
+
+def test_sampled_steps_block_and_unsampled_ones_do_not(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="fdp")
+    waits = []
+    block = jax.block_until_ready
+    monkeypatch.setattr(_stats.jax, "block_until_ready", lambda x: (waits.append(1), block(x))[1])
+    state = fdp.replicate(make_state("mlp", "sgd"))
+    step = fdp.train_step(
+        cross_entropy(state.apply_fn),
+        bucket_cap_mb=0.005,
+        first_bucket_cap_mb=0.001,
+        stats=fdp.StatsSchedule(first=3, every=4),
+    )
+    batch = fdp.shard_batch(make_data(0, 16))
+    for _ in range(9):
+        state, _ = step(state, batch)
+    # Steps 1, 2, 3, 4 and 8 are timed: each waits for its inputs and its outputs.
+    assert len(waits) == 2 * 5
+    stats = step.stats()
+    assert stats["enabled"] and stats["steps"] == 9
+    assert stats["compiled_steps"] == [1]  # step 1 compiled; it is not averaged
+    assert stats["sampled_steps"] == 4  # steps 2, 3, 4, 8
+    assert stats["first_step_seconds"] > 0
+    assert stats["examples_per_step"] == 16
+    assert stats["last_examples_per_second"] == pytest.approx(16 / stats["last_step_seconds"])
+    assert stats["avg_examples_per_second"] == pytest.approx(16 / stats["avg_step_seconds"])
+    # Bytes all-reduced per step: every gradient bucket, and the loss (one float32).
+    assert stats["allreduce_bytes_per_step"] == step.plan.nbytes + 4
+    assert stats["allreduce_count_per_step"] == fdp.collective_stats(
+        step.lower(state, batch)
+    ).count("all-reduce")
+    assert stats["sent_bytes_per_step"] == pytest.approx(2 * 7 / 8 * (step.plan.nbytes + 4))
+    # stats=... at OFF samples without logging anything.
+    assert [r for r in caplog.records if r.name == "fdp"] == []
+
+
+def test_a_step_that_compiles_again_is_not_averaged():
+    state = fdp.replicate(make_state("mlp", "sgd"))
+    step = fdp.train_step(cross_entropy(state.apply_fn), stats=True)
+    for size in (16, 16, 32, 32):  # a new batch size compiles the step again
+        state, _ = step(state, fdp.shard_batch(make_data(0, size)))
+    stats = step.stats()
+    assert stats["compiled_steps"] == [1, 3]
+    assert stats["sampled_steps"] == 2 and stats["examples_per_step"] == 32
+
+
+def test_info_samples_and_logs_the_sampled_steps(caplog):
+    caplog.set_level(logging.INFO, logger="fdp")
+    fdp.set_debug_level("INFO")
+    state = fdp.replicate(make_state("mlp", "sgd"))
+    step = fdp.train_step(cross_entropy(state.apply_fn))
+    batch = fdp.shard_batch(make_data(0, 16))
+    for _ in range(12):
+        state, _ = step(state, batch)
+    logged = [r.message for r in caplog.records if r.name == "fdp" and ": step " in r.message]
+    assert len(logged) == 10  # steps 1 to 10; 11 and 12 are not sampled
+    assert logged[0].startswith("fdp.train_step: step 1 compiled the step: ")
+    assert logged[-1].startswith("fdp.train_step: step 10: ")
+    assert f"all-reduced {step.plan.nbytes + 4} bytes per device per step" in logged[-1]
+    assert step.stats()["steps"] == 12 and step.stats()["sampled_steps"] == 9
