@@ -1,6 +1,6 @@
 """fdp side of benchmarks/multiprocess.py: one process per device (run under fdp launch).
 
-    python benchmarks/_mp_fdp.py --model mlp --batch 64 --steps 20 --out result.json
+python benchmarks/_mp_fdp.py --model mlp --batch 64 --steps 20 --out result.json
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
 parser.add_argument("--layout", default="leaves")
-parser.add_argument("--keep-buckets", action="store_true",
-                    help="compile without XLA:CPU's all-reduce combiner (buckets stay apart)")
+parser.add_argument(
+    "--keep-buckets",
+    action="store_true",
+    help="compile without XLA:CPU's all-reduce combiner (buckets stay apart)",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -64,13 +67,23 @@ for _ in range(args.rounds):
 if rank == 0:
     step_s = statistics.median(rounds)
     with open(args.out, "w") as f:
-        json.dump({
-            "framework": "fdp", "model": args.model, "nproc": nproc, "batch": args.batch,
-            "params": param_count(params), "step_s": step_s, "round_step_s": rounds,
-            "examples_per_s": args.batch * nproc / step_s, "first_losses": losses,
-            "bucket_cap_mb": args.bucket_cap_mb, "layout": args.layout,
-            "keep_buckets": args.keep_buckets,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "threads": os.environ.get("OMP_NUM_THREADS", ""),
-            "affinity": sorted(os.sched_getaffinity(0)),
-        }, f)
+        json.dump(
+            {
+                "framework": "fdp",
+                "model": args.model,
+                "nproc": nproc,
+                "batch": args.batch,
+                "params": param_count(params),
+                "step_s": step_s,
+                "round_step_s": rounds,
+                "examples_per_s": args.batch * nproc / step_s,
+                "first_losses": losses,
+                "bucket_cap_mb": args.bucket_cap_mb,
+                "layout": args.layout,
+                "keep_buckets": args.keep_buckets,
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "threads": os.environ.get("OMP_NUM_THREADS", ""),
+                "affinity": sorted(os.sched_getaffinity(0)),
+            },
+            f,
+        )

@@ -35,13 +35,18 @@ def init_params(model: str, seed: int = 0) -> dict:
     d = TF["dim"]
     blocks = []
     for _ in range(TF["layers"]):
-        blocks.append({
-            "ln1": {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)},
-            "q": _dense(rng, d, d), "k": _dense(rng, d, d), "v": _dense(rng, d, d),
-            "o": _dense(rng, d, d),
-            "ln2": {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)},
-            "fc1": _dense(rng, d, 4 * d), "fc2": _dense(rng, 4 * d, d),
-        })
+        blocks.append(
+            {
+                "ln1": {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)},
+                "q": _dense(rng, d, d),
+                "k": _dense(rng, d, d),
+                "v": _dense(rng, d, d),
+                "o": _dense(rng, d, d),
+                "ln2": {"g": np.ones(d, np.float32), "b": np.zeros(d, np.float32)},
+                "fc1": _dense(rng, d, 4 * d),
+                "fc2": _dense(rng, 4 * d, d),
+            }
+        )
     return {
         "tok": (rng.normal(size=(TF["vocab"], d)) * 0.02).astype(np.float32),
         "pos": (rng.normal(size=(TF["seq"], d)) * 0.02).astype(np.float32),
@@ -57,10 +62,12 @@ def make_batches(model: str, batch: int, count: int, seed: int) -> list[dict[str
     out = []
     for _ in range(count):
         if model == "mlp":
-            out.append({
-                "x": rng.normal(size=(batch, MLP_WIDTH)).astype(np.float32),
-                "y": rng.integers(0, MLP_CLASSES, size=batch).astype(np.int32),
-            })
+            out.append(
+                {
+                    "x": rng.normal(size=(batch, MLP_WIDTH)).astype(np.float32),
+                    "y": rng.integers(0, MLP_CLASSES, size=batch).astype(np.int32),
+                }
+            )
         else:
             tok = rng.integers(0, TF["vocab"], size=(batch, TF["seq"] + 1)).astype(np.int32)
             out.append({"x": tok[:, :-1], "y": tok[:, 1:]})
@@ -76,7 +83,7 @@ def param_count(params: dict) -> int:
 # ---------------------------------------------------------------- JAX ----------------
 
 
-def jax_loss(model: str):  # noqa: ANN201
+def jax_loss(model: str):
     import jax
     import jax.numpy as jnp
     import optax
@@ -122,7 +129,7 @@ def jax_loss(model: str):  # noqa: ANN201
 # -------------------------------------------------------------- PyTorch --------------
 
 
-def torch_module(model: str, params: dict):  # noqa: ANN201
+def torch_module(model: str, params: dict):
     import math
 
     import torch

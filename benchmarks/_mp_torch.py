@@ -1,6 +1,6 @@
 """PyTorch DDP side of benchmarks/multiprocess.py (run under torchrun).
 
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/_mp_torch.py --model mlp ...
+python -m torch.distributed.run --nproc-per-node 2 benchmarks/_mp_torch.py --model mlp ...
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ batches = [
 def train_step(batch):
     opt.zero_grad(set_to_none=True)
     logits = model(batch["x"])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             batch["y"].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch["y"].reshape(-1)
+    )
     loss.backward()
     opt.step()
     return loss
@@ -67,11 +68,22 @@ for _ in range(args.rounds):
 if rank == 0:
     step_s = statistics.median(rounds)
     with open(args.out, "w") as f:
-        json.dump({
-            "framework": "torch", "model": args.model, "nproc": nproc, "batch": args.batch,
-            "params": param_count(params), "step_s": step_s, "round_step_s": rounds,
-            "examples_per_s": args.batch * nproc / step_s, "first_losses": losses,
-            "bucket_cap_mb": args.bucket_cap_mb, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "affinity": sorted(os.sched_getaffinity(0)),
-        }, f)
+        json.dump(
+            {
+                "framework": "torch",
+                "model": args.model,
+                "nproc": nproc,
+                "batch": args.batch,
+                "params": param_count(params),
+                "step_s": step_s,
+                "round_step_s": rounds,
+                "examples_per_s": args.batch * nproc / step_s,
+                "first_losses": losses,
+                "bucket_cap_mb": args.bucket_cap_mb,
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "affinity": sorted(os.sched_getaffinity(0)),
+            },
+            f,
+        )
 dist.destroy_process_group()

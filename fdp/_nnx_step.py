@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -13,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from fdp._local_grads import local_gradients
 from fdp._observe import Observer
-from fdp._placement import DATA_AXIS
+from fdp._placement import DATA_AXIS, replicate
 from fdp._stats import StatsSchedule
 from fdp._step_common import (
     LossFn,
@@ -28,7 +27,13 @@ from fdp._step_common import (
     strip_device_axis,
     sync_buffers,
 )
-from fdp._unused import ParamUsage, analyse_usage, keep_untouched
+from fdp._unused import (
+    ParamUsage,
+    analyse_usage,
+    keep_untouched,
+    untouched_flags,
+    warn_if_unused,
+)
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.hooks import CommHook, reduce_with_hook
 from fdp.hooks._contract import Layout
@@ -52,6 +57,7 @@ class NNXDataParallelStep:
         self.config = cfg
         self.plan: BucketPlan | None = None
         self.usage: ParamUsage | None = None
+        self._placed = False
         self._jitted = jax.jit(
             self._global_step, static_argnums=(0,), donate_argnums=(1, 2) if cfg.donate else ()
         )
@@ -79,11 +85,17 @@ class NNXDataParallelStep:
                 "For a Linen TrainState use fdp.train_step."
             )
         cfg = self.config
-        params = nnx.state(model, optimizer.wrt)
+        if not self._placed:
+            # On the mesh before the first step: the step's outputs are, and inputs
+            # placed otherwise would compile the step a second time on the next call.
+            # With several processes this also hands everyone process 0's values.
+            nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.mesh))
+            self._placed = True
         if batch is not None and self.usage is None:
             self.usage = self._analyse(model, optimizer, batch)
         if hasattr(optimizer, "fdp_comm_state"):
             return
+        params = nnx.state(model, optimizer.wrt)
         plan = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
         if has_leaves(jax.eval_shape(lambda p: cfg.comm_hook.init(p, plan), params)):
             optimizer.fdp_comm_state = CommState(self._jitted_hook_init(params))
@@ -105,15 +117,7 @@ class NNXDataParallelStep:
         usage = analyse_usage(
             loss_of, params, local, rest, axis_env=[(cfg.axis_name, cfg.num_replicas)]
         )
-        if usage.unused and not cfg.find_unused_parameters:
-            warnings.warn(
-                "These parameters do not take part in producing the loss, so they get zero "
-                "gradients and the optimizer still updates them (momentum, weight decay): "
-                f"{', '.join(usage.unused_key_paths)}. Pass find_unused_parameters=True to "
-                "leave them and their optimizer state untouched, as DDP does.",
-                UserWarning,
-                stacklevel=4,
-            )
+        warn_if_unused(usage, cfg.find_unused_parameters, stacklevel=4)
         return usage
 
     def _global_step(
@@ -180,11 +184,7 @@ class NNXDataParallelStep:
         old = (nnx.as_pure(params), nnx.as_pure(optimizer.opt_state))
         optimizer.update(model, grads)
         if unused or track:
-            keep: list[Any] = [i in unused for i in range(len(usage.levels))]
-            if track:
-                used_anywhere = jax.lax.psum(out.used.astype(jnp.int32), cfg.axis_name) > 0
-                for j, i in enumerate(track):
-                    keep[i] = ~used_anywhere[j]
+            keep = untouched_flags(usage, out.used, cfg.axis_name)
             new = (nnx.as_pure(nnx.state(model, optimizer.wrt)), nnx.as_pure(optimizer.opt_state))
             kept_params, kept_opt = keep_untouched(new, old, jax.tree.structure(old[0]), keep)
             nnx.update(model, kept_params)

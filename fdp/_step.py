@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fdp._local_grads import local_gradients
 from fdp._observe import Observer
-from fdp._placement import DATA_AXIS
+from fdp._placement import DATA_AXIS, replicate
 from fdp._stats import StatsSchedule
 from fdp._step_common import (
     LossFn,
@@ -29,7 +28,13 @@ from fdp._step_common import (
     strip_device_axis,
     sync_buffers,
 )
-from fdp._unused import ParamUsage, analyse_usage, keep_untouched
+from fdp._unused import (
+    ParamUsage,
+    analyse_usage,
+    keep_untouched,
+    untouched_flags,
+    warn_if_unused,
+)
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.hooks import CommHook, PeriodicModelAverager, reduce_with_hook
 from fdp.hooks._contract import Layout
@@ -102,6 +107,22 @@ class DataParallelStep:
             check_vma=False,
         )(params)
 
+    def _place(self, state: Any) -> Any:
+        """The replicated part of ``state`` on the mesh, if it is not there yet.
+
+        The step's outputs live on the mesh; inputs placed elsewhere would make
+        the second call compile the step again.
+        """
+        cfg = self.config
+        core, side = _split(state)
+        if cfg.per_device_state and jnp.ndim(state.step) > 0:
+            return state
+        home = NamedSharding(cfg.mesh, P())
+        leaves = jax.tree.leaves(core)
+        if all(getattr(x, "sharding", None) == home for x in leaves):
+            return state
+        return _join(replicate(core, cfg.mesh), side)
+
     def _needs_init(self, state: Any) -> bool:
         cfg = self.config
         if self._hook_has_state is None:
@@ -125,6 +146,7 @@ class DataParallelStep:
         """
         cfg = self.config
         _check_state(state)
+        state = self._place(state)
         if cfg.per_device_state and jnp.ndim(state.step) == 0:
             core, side = _split(state)
             state = _join(self._jitted_stack(core), side)
@@ -175,15 +197,7 @@ class DataParallelStep:
             *extra,
             axis_env=[(cfg.axis_name, cfg.num_replicas)],
         )
-        if usage.unused and not cfg.find_unused_parameters:
-            warnings.warn(
-                "These parameters do not take part in producing the loss, so they get zero "
-                "gradients and the optimizer still updates them (momentum, weight decay): "
-                f"{', '.join(usage.unused_key_paths)}. Pass find_unused_parameters=True to "
-                "leave them and their optimizer state untouched, as DDP does.",
-                UserWarning,
-                stacklevel=3,
-            )
+        warn_if_unused(usage, cfg.find_unused_parameters, stacklevel=3)
         return usage
 
     def _global_step(
@@ -261,11 +275,7 @@ class DataParallelStep:
         )
         new_state = state.apply_gradients(grads=grads)
         if cfg.find_unused_parameters and (usage.unused or track):
-            keep: list[Any] = [i in usage.unused for i in range(len(usage.levels))]
-            if track:
-                used_anywhere = jax.lax.psum(out.used.astype(jnp.int32), cfg.axis_name) > 0
-                for j, i in enumerate(track):
-                    keep[i] = ~used_anywhere[j]
+            keep = untouched_flags(usage, out.used, cfg.axis_name)
             treedef = jax.tree.structure(state.params)
             new_state = keep_untouched(new_state, state, treedef, keep)
         if cfg.model_averager is not None:

@@ -18,6 +18,7 @@ decides at run time whether the step leaves them untouched.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -161,6 +162,34 @@ def find_unused_parameters(loss_fn: Callable[..., Any], params: Any, *args: Any)
       ("['head']",)
     """
     return analyse_usage(loss_fn, params, *args).unused_key_paths
+
+
+def warn_if_unused(usage: ParamUsage, detecting: bool, stacklevel: int) -> None:
+    """Warns, naming them, about unused parameters a step will still update."""
+    if usage.unused and not detecting:
+        warnings.warn(
+            "These parameters do not take part in producing the loss, so they get zero "
+            "gradients and the optimizer still updates them (momentum, weight decay): "
+            f"{', '.join(usage.unused_key_paths)}. Pass find_unused_parameters=True to "
+            "leave them and their optimizer state untouched, as DDP does.",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
+
+
+def untouched_flags(usage: ParamUsage, used: jax.Array, axis_name: str) -> list[Any]:
+    """Per parameter leaf, whether the step must leave it (and its optimizer state) as is.
+
+    ``True`` for statically unused leaves; for conditional ones, a traced bool
+    that is true when no device used the leaf (``used`` holds this device's
+    flags for ``usage.conditional``, in order); ``False`` otherwise.
+    """
+    keep: list[Any] = [i in usage.unused for i in range(len(usage.levels))]
+    if usage.conditional:
+        used_anywhere = jax.lax.psum(used.astype(jnp.int32), axis_name) > 0
+        for j, i in enumerate(usage.conditional):
+            keep[i] = ~used_anywhere[j]
+    return keep
 
 
 def nonzero_flags(grads: Sequence[jax.Array]) -> jax.Array:

@@ -105,3 +105,22 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="divisible by the 8 devices"):
         step(model, opt, make_data(0, 4))
     assert jnp.all(model.l1.kernel[...] == Net(nnx.Rngs(0)).l1.kernel[...])
+
+
+def test_the_step_compiles_once_for_a_model_not_yet_on_the_mesh():
+    traces = []
+
+    def counting_loss(model, batch):
+        traces.append(1)
+        return loss_fn(model, batch)
+
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = fdp.nnx_train_step(counting_loss)
+    batch = fdp.shard_batch(make_data(0, 16))
+    step(model, opt, batch)
+    after_first = len(traces)
+    step(model, opt, batch)
+    step(model, opt, batch)
+    assert len(traces) == after_first  # no new trace: no second compilation
+    assert model.l1.kernel[...].sharding.is_fully_replicated

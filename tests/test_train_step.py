@@ -174,3 +174,21 @@ def test_replicate_copies_so_donation_leaves_the_original_intact():
     step = fdp.train_step(cross_entropy(init.apply_fn))
     step(fdp.replicate(init), fdp.shard_batch(make_data(0, GLOBAL_BATCH)))
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(init.params))
+
+
+def test_an_unplaced_state_compiles_the_step_once():
+    init = make_state("mlp", "sgd")
+    traces = []
+    base = cross_entropy(init.apply_fn)
+
+    def counting_loss(params, batch):
+        traces.append(1)
+        return base(params, batch)
+
+    step = fdp.train_step(counting_loss)
+    batch = fdp.shard_batch(make_data(0, GLOBAL_BATCH))
+    state, _ = step(init, batch)  # on one device: the step places it first
+    after_first = len(traces)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    assert len(traces) == after_first
