@@ -25,6 +25,7 @@ from fdp._placement import DATA_AXIS
 from fdp._step_common import (
     LossFn,
     StepConfig,
+    StepLayout,
     add_device_axis,
     call_loss,
     device_rng,
@@ -35,7 +36,6 @@ from fdp._step_common import (
 )
 from fdp.bucketing import plan_for
 from fdp.hooks import CommHook, reduce_with_hook
-from fdp.hooks._contract import Layout
 
 
 class Accumulated(NamedTuple):
@@ -64,7 +64,11 @@ class GradAccumulator:
         self.config = cfg
         self._init = jax.jit(self._global_init)
         self._accumulate = jax.jit(self._global_accumulate, donate_argnums=(1,))
-        self._sync = jax.jit(self._global_sync, donate_argnums=(0, 1) if cfg.donate else (1,))
+        self._sync = jax.jit(
+            self._global_sync,
+            donate_argnums=(0, 1) if cfg.donate else (1,),
+            compiler_options=cfg.compiler_options,
+        )
 
     def _map(self, fn: Any, in_specs: tuple, out_specs: Any, *args: Any) -> Any:
         cfg = self.config
@@ -74,7 +78,7 @@ class GradAccumulator:
             in_specs=in_specs,
             out_specs=out_specs,
             axis_names={cfg.axis_name},
-            check_vma=cfg.comm_hook.vma_safe,
+            check_vma=cfg.check_vma,
         )(*args)
 
     def _global_init(self, params: Any) -> Accumulated:
@@ -177,7 +181,7 @@ def grad_accumulator(
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
     donate: bool = True,
-    layout: Layout = "leaves",
+    layout: StepLayout = "auto",
     comm_hook: CommHook | str | None = None,
     accum_dtype: Any = None,
     per_example: bool = False,
@@ -192,7 +196,7 @@ def grad_accumulator(
       bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB), for the sync.
       first_bucket_cap_mb: cap of the first bucket (MiB).
       donate: donate the state to ``sync``.
-      layout: ``'leaves'`` or ``'flat'`` (see :func:`fdp.reduce_gradients`).
+      layout: ``'auto'``, ``'leaves'`` or ``'flat'`` (see :func:`fdp.train_step`).
       comm_hook: a stateless comm hook for the sync (default: the mean).
       accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
       per_example: ``loss_fn`` returns one loss per example; ``mask=`` weighs them.

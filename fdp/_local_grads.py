@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fdp._unused import nonzero_flags
+from fdp.collectives._axis import mean_over, sum_over
 from fdp.hooks._contract import vary
 
 # objective(params, micro_batch, carry, rng) -> (loss, aux, new_carry); ``loss`` is a
@@ -58,8 +59,8 @@ class LocalGrads:
     def global_loss(self, axis_name: str) -> jax.Array:
         """The loss over the whole batch (a collective: call it after the buckets)."""
         if self.total is None:
-            return jax.lax.pmean(self.loss, axis_name)
-        return jax.lax.psum(self.loss, axis_name) / self.total
+            return mean_over(self.loss, axis_name)
+        return sum_over(self.loss, axis_name) / self.total
 
 
 def accum_dtype_for(dtype: Any, accum_dtype: Any = None) -> jnp.dtype:
@@ -128,7 +129,7 @@ def local_gradients(
     if per_example:
         size = jax.tree.leaves(batch)[0].shape[0]
         local_mask = jnp.ones((size,), jnp.float32) if mask is None else mask
-        total = jnp.maximum(jax.lax.psum(jnp.sum(local_mask), axis_name), 1.0)
+        total = jnp.maximum(sum_over(jnp.sum(local_mask), axis_name), 1.0)
         micro_masks = local_mask.reshape(k, -1)
     else:
         micro_masks, total = jnp.zeros((k, 0)), None

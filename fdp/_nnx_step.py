@@ -17,6 +17,7 @@ from fdp._stats import StatsSchedule
 from fdp._step_common import (
     LossFn,
     StepConfig,
+    StepLayout,
     add_device_axis,
     call_loss,
     has_leaves,
@@ -36,7 +37,6 @@ from fdp._unused import (
 )
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.hooks import CommHook, reduce_with_hook
-from fdp.hooks._contract import Layout
 
 
 class CommState(nnx.Variable):
@@ -59,7 +59,10 @@ class NNXDataParallelStep:
         self.usage: ParamUsage | None = None
         self._placed = False
         self._jitted = jax.jit(
-            self._global_step, static_argnums=(0,), donate_argnums=(1, 2) if cfg.donate else ()
+            self._global_step,
+            static_argnums=(0,),
+            donate_argnums=(1, 2) if cfg.donate else (),
+            compiler_options=cfg.compiler_options,
         )
         self._jitted_hook_init = jax.jit(self._hook_init)
         names = ("graphdef", "comm_state", "state", "batch", "mask")
@@ -131,7 +134,7 @@ class NNXDataParallelStep:
             in_specs=(P(cfg.axis_name), P(), P(cfg.axis_name), P(cfg.axis_name)),
             out_specs=(P(cfg.axis_name), P(), P()),
             axis_names={cfg.axis_name},
-            check_vma=cfg.comm_hook.vma_safe,
+            check_vma=cfg.check_vma,
         )
         return local(comm, state, batch, mask)
 
@@ -236,7 +239,7 @@ def nnx_train_step(
     first_bucket_cap_mb: float = 1.0,
     has_aux: bool = False,
     donate: bool = True,
-    layout: Layout = "leaves",
+    layout: StepLayout = "auto",
     comm_hook: CommHook | str | None = None,
     accumulate_steps: int = 1,
     accum_dtype: Any = None,
@@ -263,7 +266,9 @@ def nnx_train_step(
       first_bucket_cap_mb: cap of the first bucket (MiB).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       donate: donate the state's buffers to the step.
-      layout: ``'leaves'`` or ``'flat'``; see :func:`fdp.reduce_gradients`.
+      layout: ``'auto'`` (``'flat'`` on CPU with several processes, else
+        ``'leaves'``), ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed
+        bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
       comm_hook: a :class:`fdp.hooks.CommHook` or a hook name. Hooks whose
         replicas diverge (``noop``, ``post_local_sgd``) need one model per
         device, which an NNX model object is not: use :func:`fdp.train_step`.

@@ -17,6 +17,7 @@ from fdp._step_common import (
     LossFn,
     PerDevice,
     StepConfig,
+    StepLayout,
     add_device_axis,
     call_loss,
     device_rng,
@@ -37,7 +38,6 @@ from fdp._unused import (
 )
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.hooks import CommHook, PeriodicModelAverager, reduce_with_hook
-from fdp.hooks._contract import Layout
 
 _SIDE_FIELDS = ("comm_state", "batch_stats")
 
@@ -57,7 +57,11 @@ class DataParallelStep:
         self.plan: BucketPlan | None = None
         self.usage: ParamUsage | None = None
         self._hook_has_state: bool | None = None
-        self._jitted = jax.jit(self._global_step, donate_argnums=(0,) if cfg.donate else ())
+        self._jitted = jax.jit(
+            self._global_step,
+            donate_argnums=(0,) if cfg.donate else (),
+            compiler_options=cfg.compiler_options,
+        )
         self._jitted_stack = jax.jit(self._stack)
         self._jitted_hook_init = jax.jit(self._hook_init)
         names = ("state", "batch", "rng", "mask")
@@ -226,7 +230,7 @@ class DataParallelStep:
             ),
             out_specs=(state_spec, stats_spec, P(cfg.axis_name), P()),
             axis_names={cfg.axis_name},
-            check_vma=cfg.comm_hook.vma_safe,
+            check_vma=cfg.check_vma,
         )
         core, stats, comm, metrics = local(core, stats, side.get("comm_state"), batch, rng, mask)
         return _join(core, {"batch_stats": stats, "comm_state": comm}), metrics
@@ -351,7 +355,7 @@ def train_step(
     first_bucket_cap_mb: float = 1.0,
     has_aux: bool = False,
     donate: bool = True,
-    layout: Layout = "leaves",
+    layout: StepLayout = "auto",
     comm_hook: CommHook | str | None = None,
     model_averager: PeriodicModelAverager | None = None,
     accumulate_steps: int = 1,
@@ -382,8 +386,9 @@ def train_step(
       has_aux: ``loss_fn`` returns aux values, averaged over the data axis
         (integer and bool leaves summed) into ``metrics['aux']``.
       donate: donate the input state's buffers (it must not be used after).
-      layout: ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed bucket
-        buffers); see :func:`fdp.reduce_gradients`.
+      layout: ``'auto'`` (``'flat'`` on CPU with several processes, else
+        ``'leaves'``), ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed
+        bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
       comm_hook: a :class:`fdp.hooks.CommHook` or a hook name (default: the
         mean all-reduce). Hooks with state need :class:`fdp.TrainState`.
       model_averager: a :class:`fdp.hooks.PeriodicModelAverager` that averages

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +14,31 @@ from jax.sharding import PartitionSpec as P
 from fdp._placement import check_axis, data_mesh
 from fdp.bucketing import cap_limits
 from fdp.collectives import broadcast
-from fdp.collectives._axis import is_varying
+from fdp.collectives._axis import axis_size, is_varying, mean_over, sum_over
 from fdp.hooks import CommHook, PeriodicModelAverager, resolve
-from fdp.hooks._contract import Layout, check_layout
+from fdp.hooks._contract import Layout
+
+StepLayout = Literal["auto", "leaves", "flat"]
+# Keeps each of fdp's all-reduces apart in XLA:CPU's compiled program.
+_KEEP_BUCKETS = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+def resolve_layout(layout: str, mesh: Mesh) -> Layout:
+    """``'auto'``: DDP's flat buckets on CPU with several processes, else in place.
+
+    Measured on 2 processes x 1 CPU device (gloo, an 8.4M-parameter MLP): one
+    combined all-reduce after the backward pass gave 810 examples/s; flat
+    buckets kept apart, so each all-reduce can start while the backward pass
+    goes on, 980 (25 MiB buckets) to 1340 (8 MiB). In one process the buckets
+    gain nothing and their packing costs a copy.
+    """
+    if layout not in ("auto", "leaves", "flat"):
+        raise ValueError(f"layout must be one of ('auto', 'leaves', 'flat'), got {layout!r}.")
+    if layout != "auto":
+        return layout
+    platform = mesh.devices.flat[0].platform
+    return "flat" if platform == "cpu" and jax.process_count() > 1 else "leaves"
+
 
 LossFn = Callable[..., Any]
 BUFFER_MODES = ("broadcast", "mean", "local")
@@ -68,6 +90,22 @@ class StepConfig:
         return int(self.mesh.shape[self.axis_name])
 
     @property
+    def check_vma(self) -> bool:
+        """Whether the step's shard_map tracks replication.
+
+        Off for hooks whose collectives JAX cannot type, and on a 1-device axis,
+        where fdp's reductions become identities.
+        """
+        return self.comm_hook.vma_safe and self.num_replicas > 1
+
+    @property
+    def compiler_options(self) -> dict[str, str] | None:
+        """XLA options for the step: on CPU, the flat layout keeps DDP's buckets apart."""
+        if self.layout == "flat" and self.mesh.devices.flat[0].platform == "cpu":
+            return dict(_KEEP_BUCKETS)
+        return None
+
+    @property
     def per_device_state(self) -> bool:
         """Whether replicas may diverge, so the state is kept once per device."""
         return not self.comm_hook.replicated_output
@@ -82,7 +120,7 @@ def make_config(
     first_bucket_cap_mb: float,
     has_aux: bool,
     donate: bool,
-    layout: Layout,
+    layout: StepLayout,
     comm_hook: CommHook | str | None,
     model_averager: PeriodicModelAverager | None,
     accumulate_steps: int = 1,
@@ -97,7 +135,7 @@ def make_config(
     mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
     check_axis(mesh, axis_name)
     cap_limits(bucket_cap_mb, first_bucket_cap_mb)
-    check_layout(layout)
+    layout = resolve_layout(layout, mesh)
     hook = resolve(comm_hook)
     if model_averager is not None and not isinstance(model_averager, PeriodicModelAverager):
         raise TypeError(
@@ -261,8 +299,8 @@ def reduce_metrics(loss: jax.Array, aux: Any, axis_name: str) -> dict[str, Any]:
     def reduce_leaf(x: Any) -> jax.Array:
         x = jnp.asarray(x)
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jax.lax.pmean(x, axis_name)
-        return jax.lax.psum(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
+            return mean_over(x, axis_name)
+        return sum_over(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
 
     metrics = {"loss": loss}
     if aux is not None:
@@ -315,11 +353,13 @@ def sync_buffers(buffers: Any, mode: str, axis_name: str) -> Any:
     ``'mean'``: floating buffers averaged over the data axis (integer ones from
     device 0). ``'local'``: left as they are, one per device.
     """
-    if mode == "local":
+    if mode == "local" or axis_size(axis_name) == 1:
         return buffers
 
     def leaf(x: Any) -> Any:
-        if not is_varying(x, axis_name):
+        # Only values known to be replicated are left alone: without replication
+        # tracking (check_vma=False) nothing is known, and everything is synced.
+        if is_varying(x, axis_name) is False:
             return x
         if mode == "mean" and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
             return jax.lax.pmean(x, axis_name)

@@ -116,3 +116,18 @@ def test_unknown_buffer_mode_is_rejected():
         fdp.train_step(loss_fn, buffers="sync")
     with pytest.raises(ValueError, match="buffers='local' keeps batch statistics once per device"):
         fdp.nnx_train_step(loss_fn, buffers="local")
+
+
+def test_statistics_are_synced_under_hooks_jax_cannot_type():
+    # quantize_per_tensor runs the step without replication tracking; buffers must
+    # still be broadcast (they were left per device before a fix).
+    state, loss_fn = setup()
+    batch = make_data(3, 16)
+    step = fdp.train_step(loss_fn, comm_hook="quantize_per_tensor")
+    new, _ = step(fdp.replicate(state), fdp.shard_batch(batch))
+    want = stats_after_forward(state, batch["x"][:2])
+    chex.assert_trees_all_close(new.batch_stats, want, rtol=1e-5, atol=1e-6)
+    for leaf in jax.tree.leaves(new.batch_stats):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        for shard in shards[1:]:
+            np.testing.assert_array_equal(shard, shards[0])

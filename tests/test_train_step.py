@@ -67,9 +67,11 @@ def test_compiled_step_reduces_each_gradient_once_over_the_data_axis(layout):
     assert {op.kind for op in emitted.ops} == {"all-reduce"}
     assert all(op.replica_groups == "[[0, 1, 2, 3, 4, 5, 6, 7]]" for op in emitted.ops)
 
-    # Compiled for CPU: XLA combines them, and every gradient byte is reduced once.
+    # Compiled for CPU: XLA combines the in-place ones into one all-reduce and keeps
+    # flat buckets apart (DDP's buckets); every gradient byte is reduced once.
     compiled = fdp.collective_stats(lowered.compile())
     assert set(compiled.summary()) == {"all-reduce"}
+    assert compiled.count() == (len(plan.buckets) + 1 if layout == "flat" else 1)
     assert compiled.nbytes("all-reduce") == plan.nbytes + 4
     assert all(op.replica_groups == "{{0,1,2,3,4,5,6,7}}" for op in compiled.ops)
 
@@ -145,7 +147,7 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="first_bucket_cap_mb must be a positive"):
         fdp.train_step(loss_fn, first_bucket_cap_mb=-1)
     with pytest.raises(
-        ValueError, match=r"layout must be one of \('leaves', 'flat'\), got 'tuple'"
+        ValueError, match=r"layout must be one of \('auto', 'leaves', 'flat'\), got 'tuple'"
     ):
         fdp.train_step(loss_fn, layout="tuple")
     with pytest.raises(
@@ -192,3 +194,14 @@ def test_an_unplaced_state_compiles_the_step_once():
     for _ in range(2):
         state, _ = step(state, batch)
     assert len(traces) == after_first
+
+
+def test_a_one_device_mesh_compiles_without_collectives():
+    init = make_state("mlp", "adam")
+    loss_fn = cross_entropy(init.apply_fn)
+    mesh = fdp.data_mesh(jax.devices()[:1])
+    step = fdp.train_step(loss_fn, mesh=mesh)
+    state = fdp.replicate(init, mesh)
+    lowered = step.lower(state, fdp.shard_batch(make_data(0, 8), mesh))
+    assert not fdp.collective_stats(lowered.compile()).ops
+    assert step.config.layout == "leaves"  # 'auto' in one process

@@ -58,6 +58,26 @@ def check_rank(rank: int, axis_name: AxisName, name: str) -> int:
     return rank
 
 
+def sum_over(x: Any, axis_name: AxisName) -> Any:
+    """``psum`` over ``axis_name``, or ``x`` itself on an untracked axis of size 1.
+
+    XLA:CPU runs an all-reduce with a single participant as a full reduction
+    pass (measured: about 30 ms for 34 MB); the sum over one device is the
+    value itself. Where JAX tracks replication (``check_vma=True``) the psum
+    stays, since it is what types the result as replicated.
+    """
+    if axis_size(axis_name) == 1 and is_varying(jax.lax.axis_index(axis_name), axis_name) is None:
+        return x
+    return jax.lax.psum(x, axis_name)
+
+
+def mean_over(x: Any, axis_name: AxisName) -> Any:
+    """``pmean`` over ``axis_name``; ``x`` itself on an untracked axis of size 1."""
+    if axis_size(axis_name) == 1 and is_varying(jax.lax.axis_index(axis_name), axis_name) is None:
+        return x
+    return jax.lax.pmean(x, axis_name)
+
+
 def varying_axes(x: Any) -> frozenset[str]:
     """The mesh axes along which ``x`` varies, as recorded in its type.
 

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdp.bucketing import BucketPlan
+from fdp.collectives._axis import sum_over
 from fdp.hooks._contract import CommHook, GradBucket, HookState, as_leaves, stateless_init
 
 
 def _mean(values: list[jax.Array], axis_name: str, n: int) -> list[jax.Array]:
     # DDP's default: divide by the world size, then sum.
-    return jax.lax.psum([v / jnp.asarray(n, v.dtype) for v in values], axis_name)
+    return sum_over([v / jnp.asarray(n, v.dtype) for v in values], axis_name)
 
 
 def _allreduce_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:

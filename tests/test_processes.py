@@ -1,4 +1,6 @@
-"""fdp.join with real processes: one runs out early and keeps stepping with zero weight."""
+"""Real processes: fdp.join with uneven data, and the layout chosen for CPU processes."""
+
+import re
 
 import jax
 import numpy as np
@@ -38,3 +40,14 @@ def test_throw_on_early_termination_stops_every_process(tmp_path, marker):
         out.output
     )
     assert "stepped" not in out.stdout
+
+
+def test_auto_layout_keeps_ddp_buckets_apart_with_several_cpu_processes(marker):
+    out = launch(["--nproc-per-node", "2"], "layout.py", [], marker)
+    assert out.returncode == 0, out.output
+    for rank in (0, 1):  # one all-reduce per DDP bucket, and one for the loss
+        line = re.search(
+            rf"process {rank}: layout (\w+), (\d+) buckets, (\d+) all-reduces", out.stdout
+        )
+        assert line and line[1] == "flat", out.stdout
+        assert int(line[2]) > 1 and int(line[3]) == int(line[2]) + 1
