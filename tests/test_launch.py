@@ -14,7 +14,7 @@ import time
 import pytest
 from _procs import WORKERS, alive, finish, launch, start
 
-from fdp.launch import _env
+from fdp.launch import _env, _summary
 from fdp.launch._cli import build_parser
 from fdp.launch._config import LaunchConfig, from_namespace
 
@@ -93,6 +93,36 @@ def test_each_worker_gets_its_own_gpus_or_cpu_cores():
     assert "CUDA_VISIBLE_DEVICES" not in plain and plain["OMP_NUM_THREADS"] == "1"
     assert _env.detect_gpus({"CUDA_VISIBLE_DEVICES": "3,5"}) == ["3", "5"]
     assert _env.detect_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def exit_of(rank, returncode, *, error=None, tail=()):
+    return _summary.WorkerExit(
+        rank=rank,
+        local_rank=rank,
+        pid=100 + rank,
+        returncode=returncode,
+        elapsed=1.0,
+        stopped=False,
+        order=3,
+        error=error,
+        tail=tail,
+    )
+
+
+def test_the_root_cause_is_the_killed_worker_not_its_peers_lost_connection():
+    """Seen in the same poll round: rank 1 killed, rank 0 raised because rank 1 vanished."""
+    lost = {
+        "type": "XlaRuntimeError",
+        "message": "INTERNAL: Gloo all-reduce failed: "
+        "[pair.cc:534] Connection closed by peer [127.0.0.1]:40211",
+    }
+    killed = exit_of(1, -signal.SIGKILL)
+    peer = exit_of(0, 1, error=lost)
+    assert peer.secondary and not killed.secondary
+    assert _summary.root_cause([peer, killed]) is killed
+    # A traceback of its own still comes before a bare exit code of a peer.
+    boom = exit_of(0, 1, error={"type": "ValueError", "message": "bad batch"})
+    assert _summary.root_cause([boom, exit_of(1, 1)]) is boom
 
 
 def test_workers_get_torchrun_variables_and_prefixed_output(tmp_path, marker):

@@ -8,7 +8,14 @@ import signal
 
 # A worker that JAX's coordination service stopped because another one died
 # ends with this line: it is a consequence, not a root cause.
-_SECONDARY = "JAX distributed service detected fatal errors"
+# Output or error messages of a worker that failed because a peer died first: JAX's
+# coordination service stopping it, or a collective that lost its connection.
+_SECONDARY = (
+    "JAX distributed service detected fatal errors",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+)
 _TRACEBACK_LINES = 25
 
 
@@ -71,21 +78,25 @@ class WorkerExit:
 
     @property
     def secondary(self) -> bool:
-        """Stopped by JAX because another process died."""
-        return any(_SECONDARY in line for line in self.tail)
+        """Stopped by JAX, or failed in a collective, because another process died."""
+        texts = [*self.tail]
+        if self.error:
+            texts += [str(self.error.get("message", "")), str(self.error.get("traceback", ""))]
+        return any(marker in text for text in texts for marker in _SECONDARY)
 
 
 def root_cause(exits: list[WorkerExit]) -> WorkerExit | None:
     """The failure to blame, as torchrun picks the first one.
 
     The earliest failure seen; among those seen in the same poll round, one
-    with a Python traceback, then one JAX did not stop because of another,
-    then the lowest rank.
+    that did not fail because a peer died (a worker killed by a signal comes
+    before its peer's lost-connection traceback), then one with a Python
+    traceback, then the lowest rank.
     """
     failed = [e for e in exits if e.failed]
     if not failed:
         return None
-    return min(failed, key=lambda e: (e.order, e.error is None, e.secondary, e.rank))
+    return min(failed, key=lambda e: (e.order, e.secondary, e.error is None, e.rank))
 
 
 def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_id: str) -> str:
