@@ -21,11 +21,11 @@ parser.add_argument("--steps", type=int, default=20, help="steps per timed round
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-parser.add_argument("--layout", default="leaves")
+parser.add_argument("--layout", default="auto")
 parser.add_argument(
-    "--keep-buckets",
-    action="store_true",
-    help="compile without XLA:CPU's all-reduce combiner (buckets stay apart)",
+    "--comm-hook",
+    default="allreduce",
+    help="e.g. noop: the same step without gradient communication (headroom)",
 )
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -44,13 +44,12 @@ fdp.init(initialization_timeout=120)
 rank, nproc = fdp.process_index(), fdp.process_count()
 params = init_params(args.model)
 state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR)))
-step = fdp.train_step(jax_loss(args.model), bucket_cap_mb=args.bucket_cap_mb, layout=args.layout)
-if args.keep_buckets:
-    step._jitted = jax.jit(
-        step._global_step,
-        donate_argnums=(0,),
-        compiler_options={"xla_disable_hlo_passes": "cpu-all-reduce-combiner"},
-    )
+step = fdp.train_step(
+    jax_loss(args.model),
+    bucket_cap_mb=args.bucket_cap_mb,
+    layout=args.layout,
+    comm_hook=args.comm_hook,
+)
 batches = [fdp.shard_batch(b) for b in make_batches(args.model, args.batch, 4, 100 + rank)]
 
 losses = []
@@ -80,7 +79,8 @@ if rank == 0:
                 "first_losses": losses,
                 "bucket_cap_mb": args.bucket_cap_mb,
                 "layout": args.layout,
-                "keep_buckets": args.keep_buckets,
+                "resolved_layout": step.config.layout,
+                "comm_hook": args.comm_hook,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "threads": os.environ.get("OMP_NUM_THREADS", ""),
                 "affinity": sorted(os.sched_getaffinity(0)),

@@ -8,6 +8,11 @@ one process (each round runs every variant, in rotating order):
   jit     plain jax.jit with NamedSharding: XLA inserts the gradient all-reduce
   pmean   shard_map with one pmean per gradient leaf
 
+For a model with BatchNorm (``cnn_bn``) all four compute the statistics of the global
+batch (SyncBatchNorm, which is what GSPMD makes of a BatchNorm on a sharded batch; in
+fdp ``nn.BatchNorm(axis_name='data')`` with ``buffers='mean'``), and a fifth variant,
+``fdp-ddp-bn``, shows DDP's own BatchNorm: per-device statistics, buffers broadcast.
+
 With ``--accumulate K`` (default 4) it adds gradient accumulation over K
 micro-batches: ``fdp.train_step(accumulate_steps=K)`` against plain jit scanning over
 stacked micro-batches (where GSPMD keeps an all-reduce inside the loop).
@@ -43,29 +48,45 @@ def setup_devices(n: int) -> None:
 def build(bench, mesh, global_batch, bucket_cap_mb, accumulate):
     """name -> (step, batch, baseline name) for every variant."""
     import jax.numpy as jnp
-    from flax.training.train_state import TrainState
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import fdp
 
-    params = bench.init_params(0)
-    state = TrainState.create(apply_fn=None, params=params, tx=bench.tx())
+    variables = bench.init_variables(0)
+    params = variables["params"]
+    state = fdp.TrainState.create(
+        apply_fn=None, params=params, tx=bench.tx(), batch_stats=variables.get("batch_stats")
+    )
     batch = fdp.shard_batch(bench.make_batch(global_batch, 1), mesh)
+    # With BatchNorm, every variant computes the same thing: statistics of the global
+    # batch (SyncBatchNorm; GSPMD's reading of a BatchNorm on a sharded batch).
+    spmd_loss, jit_loss = bench.loss_for(spmd=True), bench.loss_for(spmd=False)
 
-    fdp_step = fdp.train_step(bench.loss_fn, mesh=mesh, bucket_cap_mb=bucket_cap_mb)
-    fdp_flat = fdp.train_step(bench.loss_fn, mesh=mesh, bucket_cap_mb=bucket_cap_mb, layout="flat")
+    def grads_of(loss_fn, params, batch, stats):
+        if stats is None:
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            return loss, grads, None
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, stats)
+        return loss, grads, new_stats
+
+    fdp_step = fdp.train_step(spmd_loss, mesh=mesh, bucket_cap_mb=bucket_cap_mb, buffers="mean")
+    fdp_flat = fdp.train_step(
+        spmd_loss, mesh=mesh, bucket_cap_mb=bucket_cap_mb, layout="flat", buffers="mean"
+    )
 
     @functools.partial(jax.jit, donate_argnums=0)
     def jit_step(state, batch):
-        loss, grads = jax.value_and_grad(bench.loss_fn)(state.params, batch)
-        return state.apply_gradients(grads=grads), {"loss": loss}
+        loss, grads, stats = grads_of(jit_loss, state.params, batch, state.batch_stats)
+        return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss}
 
     def local_pmean(state, batch):
         params = jax.lax.pcast(state.params, "data", to="varying")
-        loss, grads = jax.value_and_grad(bench.loss_fn)(params, batch)
+        loss, grads, stats = grads_of(spmd_loss, params, batch, state.batch_stats)
         grads = jax.tree.map(lambda g: jax.lax.pmean(g, "data"), grads)
-        return state.apply_gradients(grads=grads), {"loss": jax.lax.pmean(loss, "data")}
+        stats = jax.tree.map(lambda s: jax.lax.pmean(s, "data"), stats)
+        new = state.apply_gradients(grads=grads, batch_stats=stats)
+        return new, {"loss": jax.lax.pmean(loss, "data")}
 
     pmean_step = jax.jit(
         jax.shard_map(local_pmean, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())),
@@ -77,25 +98,37 @@ def build(bench, mesh, global_batch, bucket_cap_mb, accumulate):
         "jit": (jit_step, batch, "jit"),
         "pmean": (pmean_step, batch, "jit"),
     }
+    if bench.has_stats:
+        # DDP's own BatchNorm: per-device statistics, buffers broadcast from rank 0.
+        variants["fdp-ddp-bn"] = (
+            fdp.train_step(jit_loss, mesh=mesh, bucket_cap_mb=bucket_cap_mb),
+            batch,
+            "jit",
+        )
     if accumulate > 1:
         k = accumulate
         big = bench.make_batch(global_batch * k, 1)
         fdp_acc = fdp.train_step(
-            bench.loss_fn, mesh=mesh, bucket_cap_mb=bucket_cap_mb, accumulate_steps=k
+            spmd_loss,
+            mesh=mesh,
+            bucket_cap_mb=bucket_cap_mb,
+            accumulate_steps=k,
+            buffers="mean",
         )
 
         # The plain-JAX way: micro-batches stacked on a leading axis, a scan that
-        # sums gradients, GSPMD placing the gradient all-reduce.
+        # sums gradients (and carries the statistics), GSPMD placing the all-reduce.
         @functools.partial(jax.jit, donate_argnums=0)
         def jit_acc(state, micro):
-            def body(acc, mb):
-                loss, g = jax.value_and_grad(bench.loss_fn)(state.params, mb)
-                return (jax.tree.map(jnp.add, acc[0], g), acc[1] + loss), None
+            def body(carry, mb):
+                acc, loss_sum, stats = carry
+                loss, g, stats = grads_of(jit_loss, state.params, mb, stats)
+                return (jax.tree.map(jnp.add, acc, g), loss_sum + loss, stats), None
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (acc, loss), _ = jax.lax.scan(body, (zeros, 0.0), micro)
+            (acc, loss, stats), _ = jax.lax.scan(body, (zeros, 0.0, state.batch_stats), micro)
             grads = jax.tree.map(lambda a: a / k, acc)
-            return state.apply_gradients(grads=grads), {"loss": loss / k}
+            return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss / k}
 
         micro = jax.tree.map(
             lambda x: jax.device_put(
@@ -173,7 +206,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
 
 def print_table(results: list[dict]) -> None:
     header = (
-        f"{'model':<12}{'params':>11}{'variant':>10}{'step ms':>10}{'/ base':>8}"
+        f"{'model':<12}{'params':>11}{'variant':>11}{'step ms':>10}{'/ base':>8}"
         f"{'all-reduces':>13}{'in loop':>9}{'AR MiB':>9}{'temp MiB':>10}{'temp/base':>11}"
     )
     print(header)
@@ -181,7 +214,7 @@ def print_table(results: list[dict]) -> None:
     for res in results:
         for vname, v in res["variants"].items():
             print(
-                f"{res['model']:<12}{res['params']:>11,}{vname:>10}"
+                f"{res['model']:<12}{res['params']:>11,}{vname:>11}"
                 f"{1e3 * v['median_step_s']:>10.2f}{v['ratio_to_baseline']:>8.3f}"
                 f"{v['all_reduce_count']:>13}{v['loop_all_reduces']:>9}"
                 f"{v['all_reduce_bytes'] / 2**20:>9.2f}{v['temp_bytes'] / 2**20:>10.2f}"
@@ -191,7 +224,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,cnn,transformer")
+    parser.add_argument("--models", default="mlp,cnn_bn,transformer")
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--batch-per-device", type=int, default=8)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)

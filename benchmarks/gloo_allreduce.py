@@ -1,0 +1,210 @@
+"""A raw all-reduce over gloo: JAX's (``psum`` in ``shard_map``) against torch.distributed's.
+
+No model and no fdp step: 2 processes x 1 CPU device sum a float32 vector of each size,
+under ``fdp launch`` (JAX, collectives through XLA's gloo integration) and under
+``torchrun`` (``dist.all_reduce`` on a gloo process group), alternating, several times.
+It shows the part of a multi-process step that neither fdp's buckets nor its launcher
+decide: how fast the collective library moves bytes.
+
+It also measures how much of an all-reduce XLA:CPU hides behind independent computation
+in the same program: six 1024x1024 matmuls alone, the largest all-reduce alone, and
+both in one jitted program (hidden = alone + alone - together).
+
+Needs ``pip install torch==2.13.0`` (the CPU build; a benchmark-only dependency).
+
+    python benchmarks/gloo_allreduce.py --json benchmarks/results/gloo_allreduce.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+OVERLAP = ("matmuls", "all-reduce", "together")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _time(fn, reps: int) -> list[float]:
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def worker(framework: str, sizes_mb: list[float], reps: int, out: str) -> None:
+    """Runs in each process: times one all-reduce of every size; rank 0 writes JSON."""
+    import numpy as np
+
+    times = {}
+    if framework == "jax":
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        import fdp
+
+        jax.config.update("jax_num_cpu_devices", 1)
+        fdp.init(initialization_timeout=120)
+        rank, mesh = fdp.process_index(), fdp.data_mesh()
+        psum = jax.jit(
+            jax.shard_map(
+                lambda v: jax.lax.psum(v, "data"),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P("data"),
+            )
+        )
+        for mb in sizes_mb:
+            x = fdp.shard_batch(np.ones((1, int(mb * 2**20) // 4), np.float32), mesh)
+            times[mb] = _time(lambda x=x: jax.block_until_ready(psum(x)), reps)
+        a = np.random.default_rng(0).normal(size=(1, 1024, 1024)).astype(np.float32) / 32
+        a = fdp.shard_batch(a, mesh)
+        for name, fn in _overlap_programs(mesh).items():
+            times[name] = _time(lambda fn=fn: jax.block_until_ready(fn(a, x)), reps)
+    else:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        for mb in sizes_mb:
+            t = torch.ones(int(mb * 2**20) // 4)
+            times[mb] = _time(lambda t=t: dist.all_reduce(t), reps)
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({str(mb): ts for mb, ts in times.items()}, f)
+
+
+def _overlap_programs(mesh):
+    """Matmuls, an all-reduce, and both in one program (independent of each other)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    def matmuls(a):
+        for _ in range(6):
+            a = jnp.tanh(a @ a)
+        return a
+
+    bodies = {
+        "matmuls": lambda a, g: (matmuls(a[0]), g),
+        "all-reduce": lambda a, g: (a[0], jax.lax.psum(g, "data")),
+        "together": lambda a, g: (matmuls(a[0]), jax.lax.psum(g, "data")),
+    }
+    specs = {"in_specs": (P("data"), P("data")), "out_specs": (P(), P("data"))}
+    return {
+        k: jax.jit(jax.shard_map(f, mesh=mesh, check_vma=False, **specs)) for k, f in bodies.items()
+    }
+
+
+def run(framework: str, args: argparse.Namespace) -> dict[float, list[float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        me = [os.path.abspath(__file__), "--worker", framework, "--sizes", args.sizes]
+        me += ["--reps", str(args.reps), "--out", out]
+        if framework == "jax":
+            cmd = [sys.executable, "-m", "fdp.launch", "--nproc-per-node", "2"]
+            cmd += [*args.launch_args, *me]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+            cmd += ["--master-port", str(_free_port()), *me]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("FDP_", "XLA_FLAGS"))}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+        with open(out) as f:
+            return {_key(k): v for k, v in json.load(f).items()}
+
+
+def _key(k: str) -> float | str:
+    try:
+        return float(k)
+    except ValueError:
+        return k
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,8,34", help="MiB per all-reduce, comma-separated")
+    parser.add_argument("--reps", type=int, default=15, help="timed all-reduces per size")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per framework")
+    parser.add_argument(
+        "--launch-arg",
+        action="append",
+        default=[],
+        dest="launch_args",
+        help="extra argument for fdp launch (repeatable), e.g. --launch-arg=--no-cpu-binding",
+    )
+    parser.add_argument("--json")
+    parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = [float(s) for s in args.sizes.split(",")]
+    if args.worker:
+        worker(args.worker, sizes, args.reps, args.out)
+        return 0
+
+    runs: dict[str, dict[float, list[float]]] = {"jax": {}, "torch": {}}
+    for r in range(args.repeats):
+        for fw in ("jax", "torch") if r % 2 == 0 else ("torch", "jax"):
+            for mb, ts in run(fw, args).items():
+                runs[fw].setdefault(mb, []).append(statistics.median(ts))
+    rows = []
+    for mb in sizes:
+        jax_ms = 1e3 * statistics.median(runs["jax"][mb])
+        torch_ms = 1e3 * statistics.median(runs["torch"][mb])
+        rows.append({"mib": mb, "jax_ms": jax_ms, "torch_ms": torch_ms, "ratio": jax_ms / torch_ms})
+    print(
+        f"\n2 processes x 1 CPU device, gloo, {platform.machine()} {os.cpu_count()} cores; "
+        f"median of {args.repeats} runs, each the median of {args.reps} all-reduces"
+    )
+    header = f"{'MiB':>6}{'JAX psum ms':>13}{'torch ms':>10}{'JAX/torch':>11}{'JAX GB/s':>10}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        gbs = row["mib"] * 2**20 / (row["jax_ms"] / 1e3) / 1e9
+        print(
+            f"{row['mib']:>6g}{row['jax_ms']:>13.2f}{row['torch_ms']:>10.2f}"
+            f"{row['ratio']:>11.2f}{gbs:>10.2f}"
+        )
+    overlap = {k: 1e3 * statistics.median(runs["jax"][k]) for k in OVERLAP}
+    overlap["hidden"] = overlap["matmuls"] + overlap["all-reduce"] - overlap["together"]
+    print(
+        f"\nJAX, one program, {sizes[-1]:g} MiB all-reduce: matmuls {overlap['matmuls']:.1f} ms, "
+        f"all-reduce {overlap['all-reduce']:.1f} ms, together {overlap['together']:.1f} ms "
+        f"(hidden: {overlap['hidden']:.1f} ms)"
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(
+                {"meta": {"argv": sys.argv}, "rows": rows, "overlap_ms": overlap, "runs": runs},
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
