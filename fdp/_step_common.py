@@ -27,10 +27,10 @@ def resolve_layout(layout: str, mesh: Mesh) -> Layout:
     """``'auto'``: DDP's flat buckets on CPU with several processes, else in place.
 
     Measured on 2 processes x 1 CPU device (gloo, an 8.4M-parameter MLP): one
-    combined all-reduce after the backward pass gave 810 examples/s; flat
+    combined all-reduce after the backward pass gave 683-718 examples/s; flat
     buckets kept apart, so each all-reduce can start while the backward pass
-    goes on, 980 (25 MiB buckets) to 1340 (8 MiB). In one process the buckets
-    gain nothing and their packing costs a copy.
+    goes on, 725-798 (25 MiB buckets) and 983-1006 (2.5 MiB). In one process the
+    buckets gain nothing and their packing costs a copy.
     """
     if layout not in ("auto", "leaves", "flat"):
         raise ValueError(f"layout must be one of ('auto', 'leaves', 'flat'), got {layout!r}.")
