@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -35,7 +34,7 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 1)
 
 import optax  # noqa: E402
-from _mp_models import LR, init_params, jax_loss, make_batches, param_count  # noqa: E402
+from _mp_models import LR, init_params, jax_loss, make_batches, result_record  # noqa: E402
 from flax.training.train_state import TrainState  # noqa: E402
 
 import fdp  # noqa: E402
@@ -64,26 +63,13 @@ for _ in range(args.rounds):
     jax.block_until_ready(state)
     rounds.append((time.perf_counter() - start) / args.steps)
 if rank == 0:
-    step_s = statistics.median(rounds)
+    record = result_record("fdp", args, nproc, params, rounds, losses)
+    record.update(
+        layout=args.layout,
+        resolved_layout=step.config.layout,
+        comm_hook=args.comm_hook,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        threads=os.environ.get("OMP_NUM_THREADS", ""),
+    )
     with open(args.out, "w") as f:
-        json.dump(
-            {
-                "framework": "fdp",
-                "model": args.model,
-                "nproc": nproc,
-                "batch": args.batch,
-                "params": param_count(params),
-                "step_s": step_s,
-                "round_step_s": rounds,
-                "examples_per_s": args.batch * nproc / step_s,
-                "first_losses": losses,
-                "bucket_cap_mb": args.bucket_cap_mb,
-                "layout": args.layout,
-                "resolved_layout": step.config.layout,
-                "comm_hook": args.comm_hook,
-                "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "threads": os.environ.get("OMP_NUM_THREADS", ""),
-                "affinity": sorted(os.sched_getaffinity(0)),
-            },
-            f,
-        )
+        json.dump(record, f)

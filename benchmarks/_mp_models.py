@@ -199,3 +199,24 @@ def torch_module(model: str, params: dict):
             return self.head(self.ln(x))
 
     return Transformer()
+
+
+def result_record(framework: str, args, nproc: int, params: dict, rounds: list, losses: list):
+    """What a worker of ``multiprocess.py`` reports (rank 0 writes it as JSON)."""
+    import os
+    import statistics
+
+    step_s = statistics.median(rounds)
+    return {
+        "framework": framework,
+        "model": args.model,
+        "nproc": nproc,
+        "batch": args.batch,
+        "params": param_count(params),
+        "step_s": step_s,
+        "round_step_s": rounds,
+        "examples_per_s": args.batch * nproc / step_s,
+        "first_losses": losses,
+        "bucket_cap_mb": args.bucket_cap_mb,
+        "affinity": sorted(os.sched_getaffinity(0)),
+    }

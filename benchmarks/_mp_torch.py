@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -26,7 +25,7 @@ args = parser.parse_args()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _mp_models import LR, init_params, make_batches, param_count, torch_module  # noqa: E402
+from _mp_models import LR, init_params, make_batches, result_record, torch_module  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 dist.init_process_group("gloo")
@@ -66,24 +65,8 @@ for _ in range(args.rounds):
         train_step(batches[i % len(batches)])
     rounds.append((time.perf_counter() - start) / args.steps)
 if rank == 0:
-    step_s = statistics.median(rounds)
+    record = result_record("torch", args, nproc, params, rounds, losses)
+    record.update(torch=torch.__version__, threads=torch.get_num_threads())
     with open(args.out, "w") as f:
-        json.dump(
-            {
-                "framework": "torch",
-                "model": args.model,
-                "nproc": nproc,
-                "batch": args.batch,
-                "params": param_count(params),
-                "step_s": step_s,
-                "round_step_s": rounds,
-                "examples_per_s": args.batch * nproc / step_s,
-                "first_losses": losses,
-                "bucket_cap_mb": args.bucket_cap_mb,
-                "torch": torch.__version__,
-                "threads": torch.get_num_threads(),
-                "affinity": sorted(os.sched_getaffinity(0)),
-            },
-            f,
-        )
+        json.dump(record, f)
 dist.destroy_process_group()

@@ -30,6 +30,9 @@ import time
 OVERLAP = ("matmuls", "all-reduce", "together")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from multiprocess import clean_env, free_port  # noqa: E402
 
 
 def _time(fn, reps: int) -> list[float]:
@@ -119,10 +122,10 @@ def run(framework: str, args: argparse.Namespace) -> dict[float, list[float]]:
             cmd += [*args.launch_args, *me]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-            cmd += ["--master-port", str(_free_port()), *me]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("FDP_", "XLA_FLAGS"))}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+            cmd += ["--master-port", str(free_port()), *me]
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=False
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
         with open(out) as f:
@@ -134,14 +137,6 @@ def _key(k: str) -> float | str:
         return float(k)
     except ValueError:
         return k
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

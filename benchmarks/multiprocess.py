@@ -34,6 +34,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without fdp or XLA settings, with the repository importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FDP_", "XLA_FLAGS"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
 def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -53,8 +60,7 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
             "--out",
             out,
         ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("FDP_", "XLA_FLAGS"))}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        env = clean_env()
         if framework == "fdp":
             script = [os.path.join(HERE, "_mp_fdp.py"), *common, *args.fdp_args]
             if nproc == 1:
