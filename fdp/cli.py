@@ -20,7 +20,7 @@ def _version(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from fdp._info import format_info, info
+    from fdp.observe._info import format_info, info
 
     report = info()
     print(json.dumps(report, indent=2) if args.json else format_info(report))
@@ -28,8 +28,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _describe(args: argparse.Namespace) -> int:
-    from fdp._demo_models import parameter_shapes
-    from fdp._describe import bucket_report
+    from fdp.observe._demo_models import parameter_shapes
+    from fdp.observe._describe import bucket_report
 
     try:
         report = bucket_report(

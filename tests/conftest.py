@@ -32,7 +32,7 @@ def marker():
 @pytest.fixture
 def fdp_debug(monkeypatch):
     """The debug level starts OFF (FDP_DEBUG unset); the "fdp" logger is restored after."""
-    from fdp import _debug
+    from fdp.observe import _debug
 
     monkeypatch.delenv("FDP_DEBUG", raising=False)
     logger = logging.getLogger("fdp")

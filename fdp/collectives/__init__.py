@@ -4,6 +4,8 @@ Each takes the mesh axis as ``axis_name`` (default ``'data'``) and mirrors a
 ``torch.distributed`` collective; see docs/collectives.md.
 """
 
+from fdp.collectives._all_reduce import ReduceOp as ReduceOp
+from fdp.collectives._all_reduce import all_reduce as all_reduce
 from fdp.collectives._axis import axis_size as axis_size
 from fdp.collectives._ops import all_gather as all_gather
 from fdp.collectives._ops import all_to_all as all_to_all
@@ -15,8 +17,6 @@ from fdp.collectives._ops import reduce as reduce
 from fdp.collectives._ops import reduce_scatter as reduce_scatter
 from fdp.collectives._ops import scatter as scatter
 from fdp.collectives._ops import shift as shift
-from fdp.collectives._reduce import ReduceOp as ReduceOp
-from fdp.collectives._reduce import all_reduce as all_reduce
 
 __all__ = [
     "ReduceOp",

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fdp.collectives._all_reduce import ReduceOp, all_reduce, as_reduce_op, check_dtype
 from fdp.collectives._axis import AxisName, axis_size, check_rank
-from fdp.collectives._reduce import ReduceOp, all_reduce, as_reduce_op, check_dtype
 
 
 def _is_rank(rank: Any, axis_name: AxisName) -> jax.Array:

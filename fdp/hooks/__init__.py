@@ -5,13 +5,13 @@ A hook is ``CommHook(name, init, reduce)``: ``init(params, plan)`` builds its st
 docs/comm-hooks.md.
 """
 
-from fdp.hooks._apply import reduce_with_hook as reduce_with_hook
 from fdp.hooks._basic import allreduce as allreduce
 from fdp.hooks._basic import bf16_compress as bf16_compress
 from fdp.hooks._basic import bf16_compress_wrapper as bf16_compress_wrapper
 from fdp.hooks._basic import fp16_compress as fp16_compress
 from fdp.hooks._basic import fp16_compress_wrapper as fp16_compress_wrapper
 from fdp.hooks._basic import noop as noop
+from fdp.hooks._bucketed import reduce_with_hook as reduce_with_hook
 from fdp.hooks._contract import CommHook as CommHook
 from fdp.hooks._contract import GradBucket as GradBucket
 from fdp.hooks._local_sgd import PeriodicModelAverager as PeriodicModelAverager

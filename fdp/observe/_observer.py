@@ -19,10 +19,10 @@ from typing import Any
 
 import jax
 
-from fdp import _fingerprint
-from fdp._debug import DebugLevel, debug_level, logger
-from fdp._hlo import collective_stats
-from fdp._stats import RuntimeStats, StatsSchedule, check_schedule
+from fdp.observe import _fingerprint
+from fdp.observe._debug import DebugLevel, debug_level, logger
+from fdp.observe._hlo import collective_stats
+from fdp.observe._stats import RuntimeStats, StatsSchedule, check_schedule
 
 
 class Observer:

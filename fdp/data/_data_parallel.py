@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from fdp._placement import DATA_AXIS, check_axis, data_mesh
+from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
 
 
 def data_parallel(

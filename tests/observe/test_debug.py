@@ -9,7 +9,7 @@ from _models import cross_entropy, make_data, make_state
 from flax import nnx
 
 import fdp
-from fdp import _debug
+from fdp.observe import _debug
 
 # The tests' MLP on 8x8x1 inputs: Dense 64->32, 32->16, 16->10, float32.
 MLP_LEAVES = 6

@@ -15,7 +15,7 @@ from _models import cross_entropy, make_data, make_state
 from _procs import launch
 
 import fdp
-from fdp import _fingerprint
+from fdp.observe import _fingerprint
 
 pytestmark = pytest.mark.usefixtures("fdp_debug")
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.collectives._axis import AxisName
-from fdp.hooks._apply import reduce_with_hook
 from fdp.hooks._basic import allreduce
+from fdp.hooks._bucketed import reduce_with_hook
 from fdp.hooks._contract import Layout
 
 

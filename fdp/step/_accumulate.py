@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from fdp._local_grads import accum_dtype_for
-from fdp._placement import DATA_AXIS
-from fdp._step_common import (
+from fdp.bucketing import plan_for
+from fdp.data._placement import DATA_AXIS
+from fdp.hooks import CommHook, reduce_with_hook
+from fdp.step._common import (
     LossFn,
     StepConfig,
     StepLayout,
@@ -34,8 +35,7 @@ from fdp._step_common import (
     prepare_batch,
     strip_device_axis,
 )
-from fdp.bucketing import plan_for
-from fdp.hooks import CommHook, reduce_with_hook
+from fdp.step._local_grads import accum_dtype_for
 
 
 class Accumulated(NamedTuple):

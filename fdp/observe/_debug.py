@@ -8,9 +8,9 @@ The debug level decides what fdp does and says:
   calls do not even do that.
 - ``INFO``: each step function logs its settings once (DDP's logging data:
   processes, devices, mesh, parameters, buckets, comm hook, ...) before its first
-  step runs, and samples runtime statistics (see :mod:`fdp._stats`).
+  step runs, and samples runtime statistics (see :mod:`fdp.observe._stats`).
 - ``DETAIL``: INFO, plus a check before the first step that every process is
-  about to run the same step (see :mod:`fdp._fingerprint`), and a summary of the
+  about to run the same step (see :mod:`fdp.observe._fingerprint`), and a summary of the
   step's collectives.
 
 As ``TORCH_DISTRIBUTED_DEBUG=INFO`` makes DDP print, setting ``FDP_DEBUG`` (or

@@ -12,7 +12,7 @@ from _models import cross_entropy, make_data, make_state
 
 import fdp
 from fdp import cli
-from fdp._demo_models import parameter_shapes
+from fdp.observe._demo_models import parameter_shapes
 
 
 def leaf_bytes(tree):

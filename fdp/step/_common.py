@@ -11,10 +11,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fdp._placement import check_axis, data_mesh
 from fdp.bucketing import cap_limits
 from fdp.collectives import broadcast
 from fdp.collectives._axis import axis_size, is_varying, mean_over, sum_over
+from fdp.data._placement import check_axis, data_mesh
 from fdp.hooks import CommHook, PeriodicModelAverager, resolve
 from fdp.hooks._contract import Layout
 

@@ -11,7 +11,7 @@ from _models import cross_entropy, make_data, make_state
 from _procs import run
 
 import fdp
-from fdp import _observe
+from fdp.observe import _observer
 
 pytestmark = pytest.mark.usefixtures("fdp_debug")
 
@@ -61,9 +61,9 @@ def test_the_compiled_step_is_the_same_at_every_level():
 
 def test_off_routes_only_the_first_call_through_the_observer(monkeypatch):
     calls = []
-    run = _observe.Observer.run
+    run = _observer.Observer.run
     monkeypatch.setattr(
-        _observe.Observer, "run", lambda self, fn, args: (calls.append(1), run(self, fn, args))[1]
+        _observer.Observer, "run", lambda self, fn, args: (calls.append(1), run(self, fn, args))[1]
     )
     for level, expected in (("OFF", 1), ("INFO", 5)):
         fdp.set_debug_level(level)

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fdp._local_grads import local_gradients
-from fdp._observe import Observer
-from fdp._placement import DATA_AXIS, replicate
-from fdp._stats import StatsSchedule
-from fdp._step_common import (
+from fdp.bucketing import BucketPlan, plan_for
+from fdp.data._placement import DATA_AXIS, replicate
+from fdp.hooks import CommHook, PeriodicModelAverager, reduce_with_hook
+from fdp.observe._observer import Observer
+from fdp.observe._stats import StatsSchedule
+from fdp.step._common import (
     LossFn,
     PerDevice,
     StepConfig,
@@ -29,15 +30,14 @@ from fdp._step_common import (
     strip_device_axis,
     sync_buffers,
 )
-from fdp._unused import (
+from fdp.step._local_grads import local_gradients
+from fdp.step._usage import (
     ParamUsage,
     analyse_usage,
     keep_untouched,
     untouched_flags,
     warn_if_unused,
 )
-from fdp.bucketing import BucketPlan, plan_for
-from fdp.hooks import CommHook, PeriodicModelAverager, reduce_with_hook
 
 _SIDE_FIELDS = ("comm_state", "batch_stats")
 

@@ -7,7 +7,7 @@ import pytest
 from _models import cross_entropy, make_data, make_state
 
 import fdp
-from fdp import _stats
+from fdp.observe import _stats
 
 pytestmark = pytest.mark.usefixtures("fdp_debug")
 

@@ -23,9 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fdp._unused import nonzero_flags
 from fdp.collectives._axis import mean_over, sum_over
 from fdp.hooks._contract import vary
+from fdp.step._usage import nonzero_flags
 
 # objective(params, micro_batch, carry, rng) -> (loss, aux, new_carry); ``loss`` is a
 # scalar mean, or one value per example with per_example=True.

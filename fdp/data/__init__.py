@@ -1,0 +1,1 @@
+"""Data on the mesh: placement, per-process sampling, uneven inputs, DataParallel apply."""

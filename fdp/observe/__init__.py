@@ -1,0 +1,1 @@
+"""Observability: debug levels, logging data, runtime stats, DETAIL checks, reports."""

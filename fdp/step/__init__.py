@@ -1,0 +1,1 @@
+"""The train step: per-device gradients, bucketed reduction, update (Linen and NNX)."""
