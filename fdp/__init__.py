@@ -17,7 +17,7 @@ from fdp.data._placement import data_mesh as data_mesh
 from fdp.data._placement import replicate as replicate
 from fdp.data._placement import shard_batch as shard_batch
 from fdp.data._sampler import DistributedSampler as DistributedSampler
-from fdp.hooks._reduce_gradients import reduce_gradients as reduce_gradients
+from fdp.hooks._bucketed import reduce_gradients as reduce_gradients
 from fdp.observe._debug import DebugLevel as DebugLevel
 from fdp.observe._debug import debug_level as debug_level
 from fdp.observe._debug import set_debug_level as set_debug_level
@@ -42,11 +42,11 @@ from fdp.runtime._checkpoint import Restored as Restored
 from fdp.step._accumulate import Accumulated as Accumulated
 from fdp.step._accumulate import GradAccumulator as GradAccumulator
 from fdp.step._accumulate import grad_accumulator as grad_accumulator
-from fdp.step._common import PerDevice as PerDevice
 from fdp.step._linen import DataParallelStep as DataParallelStep
 from fdp.step._linen import train_step as train_step
 from fdp.step._nnx import NNXDataParallelStep as NNXDataParallelStep
 from fdp.step._nnx import nnx_train_step as nnx_train_step
+from fdp.step._state import PerDevice as PerDevice
 from fdp.step._state import TrainState as TrainState
 from fdp.step._usage import ParamUsage as ParamUsage
 from fdp.step._usage import find_unused_parameters as find_unused_parameters

@@ -6,6 +6,8 @@ from typing import Any
 
 import jax
 
+from fdp._compat import varying_axes
+
 AxisName = str
 
 
@@ -78,19 +80,6 @@ def mean_over(x: Any, axis_name: AxisName) -> Any:
     return jax.lax.pmean(x, axis_name)
 
 
-def varying_axes(x: Any) -> frozenset[str]:
-    """The mesh axes along which ``x`` varies, as recorded in its type.
-
-    jax 0.10.2 keeps them in ``aval.manual_axis_type.varying``; earlier releases
-    called the field ``aval.vma``.
-    """
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
 def is_varying(x: jax.Array, axis_name: AxisName) -> bool | None:
     """Whether ``x`` varies along ``axis_name``; ``None`` when JAX does not track it.
 
@@ -101,3 +90,34 @@ def is_varying(x: jax.Array, axis_name: AxisName) -> bool | None:
     if axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
         return None
     return axis_name in varying_axes(x)
+
+
+def vary(tree: Any, axis_name: AxisName) -> Any:
+    """Types every leaf of ``tree`` device-varying over ``axis_name`` (leaves that are stay).
+
+    Parameters are made per-device before ``jax.grad`` so that the gradient is
+    per-device and fdp's bucketed reduction is the only one (the double-reduction
+    trap in docs/design.md). Hook state and scan carries that change per device
+    are typed varying from the start, so both branches of a ``lax.cond`` and both
+    ends of a loop agree on types. Without replication tracking (``check_vma=False``
+    or ``pmap``) it returns ``tree`` as it is.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> seen = []
+      >>> def f(w):
+      ...     seen.append((is_varying(w, "data"), is_varying(vary(w, "data"), "data")))
+      ...     return w
+      >>> _ = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(jnp.ones(()))
+      >>> seen
+      [(False, True)]
+    """
+
+    def leaf(x: Any) -> Any:
+        if is_varying(x, axis_name) is False:
+            return jax.lax.pcast(x, axis_name, to="varying")
+        return x
+
+    return jax.tree.map(leaf, tree)

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
+from fdp.data._rows import leading_size, pad_rows
 
 
 def data_parallel(
@@ -50,14 +50,8 @@ def data_parallel(
 
     @jax.jit
     def apply(params: Any, batch: Any) -> Any:
-        sizes = {jnp.shape(x)[0] for x in jax.tree.leaves(batch)}
-        if len(sizes) != 1:
-            raise ValueError(f"batch leaves must share one leading size, got {sorted(sizes)}.")
-        (size,) = sizes
-        pad = -size % n
-        padded = jax.tree.map(
-            lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), mode="edge"), batch
-        )
+        size = leading_size(batch)
+        padded = pad_rows(batch, size + (-size % n))
         return jax.tree.map(lambda y: y[:size], mapped(params, padded))
 
     return apply

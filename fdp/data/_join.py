@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from fdp.data._rows import leading_size, pad_rows
+
 
 def pad_batch(batch: Any, size: int) -> tuple[Any, np.ndarray]:
     """Pads a batch along its leading axis to ``size`` rows, with a mask of real rows.
@@ -35,19 +37,12 @@ def pad_batch(batch: Any, size: int) -> tuple[Any, np.ndarray]:
       >>> b["x"].tolist(), m.tolist()
       ([0.0, 1.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 0.0, 0.0])
     """
-    leaves = jax.tree.leaves(batch)
-    n = int(np.shape(leaves[0])[0]) if leaves else 0
+    n = leading_size(batch) or 0
     if n > size:
         raise ValueError(f"the batch has {n} rows, more than size={size}.")
-
-    def pad(x: Any) -> np.ndarray:
-        x = np.asarray(x)
-        widths = [(0, size - n)] + [(0, 0)] * (x.ndim - 1)
-        return np.pad(x, widths, mode="edge" if n else "constant")
-
     mask = np.zeros(size, np.float32)
     mask[:n] = 1.0
-    return jax.tree.map(pad, batch), mask
+    return pad_rows(batch, size, xp=np), mask
 
 
 def _exchange(any_done: bool, all_done: bool) -> np.ndarray:

@@ -12,6 +12,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fdp.data._rows import leading_size
 from fdp.runtime._consistency import check_consistent
 
 DATA_AXIS = "data"
@@ -154,26 +155,14 @@ def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: str = DATA_A
     mesh = data_mesh() if mesh is None else mesh
     check_axis(mesh, axis_name)
     local_n = _local_data_size(mesh, axis_name)
-    sizes = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = np.shape(leaf)
-        name = jax.tree_util.keystr(path) or "batch"
-        if not shape:
-            raise ValueError(
-                f"shard_batch: leaf {name} is a scalar; every leaf needs a leading batch axis."
-            )
-        sizes[name] = shape[0]
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"shard_batch: all leaves must share one leading batch size, got {sizes}.")
-    if sizes:
-        size = next(iter(sizes.values()))
-        if size % local_n:
-            where = "" if jax.process_count() == 1 else " local to this process"
-            raise ValueError(
-                f"shard_batch: the batch size{where} ({size}) must be divisible by the "
-                f"{local_n} devices of axis {axis_name!r}; got {size}. Use a multiple of "
-                f"{local_n} (for example {size - size % local_n or local_n}), or pad it."
-            )
+    size = leading_size(batch, "shard_batch: batch")
+    if size is not None and size % local_n:
+        where = "" if jax.process_count() == 1 else " local to this process"
+        raise ValueError(
+            f"shard_batch: the batch size{where} ({size}) must be divisible by the "
+            f"{local_n} devices of axis {axis_name!r}; got {size}. Use a multiple of "
+            f"{local_n} (for example {size - size % local_n or local_n}), or pad it."
+        )
     sharding = NamedSharding(mesh, P(axis_name))
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)

@@ -8,11 +8,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {name}={value!r}.")
-    return int(value)
+from fdp._validate import check_int
 
 
 class DistributedSampler:
@@ -57,18 +53,17 @@ class DistributedSampler:
         seed: int = 0,
         drop_last: bool = False,
     ):
-        self.dataset_size = _check_int("dataset_size", dataset_size, 0)
-        self.num_replicas = _check_int(
-            "num_replicas", jax.process_count() if num_replicas is None else num_replicas, 1
-        )
-        self.rank = _check_int("rank", jax.process_index() if rank is None else rank, 0)
+        self.dataset_size = check_int(dataset_size, "dataset_size", low=0)
+        replicas = jax.process_count() if num_replicas is None else num_replicas
+        self.num_replicas = check_int(replicas, "num_replicas", low=1)
+        self.rank = check_int(jax.process_index() if rank is None else rank, "rank", low=0)
         if self.rank >= self.num_replicas:
             raise ValueError(
                 f"rank must be in 0..num_replicas-1, got rank={self.rank}, "
                 f"num_replicas={self.num_replicas}."
             )
         self.shuffle = bool(shuffle)
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = check_int(seed, "seed", low=0)
         self.drop_last = bool(drop_last)
         self.epoch = 0
         n, r = self.dataset_size, self.num_replicas
@@ -80,7 +75,7 @@ class DistributedSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Chooses the epoch, and so the shuffled order (call it before each epoch)."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.epoch = check_int(epoch, "epoch", low=0)
 
     def indices(self) -> np.ndarray:
         """This reader's indices for the current epoch, as an ``int64`` array."""
@@ -104,7 +99,7 @@ class DistributedSampler:
 
     def num_batches(self, batch_size: int, *, drop_last: bool = True) -> int:
         """Batches of ``batch_size`` in an epoch (the same on every process)."""
-        batch_size = _check_int("batch_size", batch_size, 1)
+        batch_size = check_int(batch_size, "batch_size", low=1)
         return self.num_samples // batch_size if drop_last else -(-self.num_samples // batch_size)
 
     def batches(
@@ -122,7 +117,7 @@ class DistributedSampler:
           ``int64`` arrays of indices; index your arrays with them.
         """
         count = self.num_batches(batch_size, drop_last=drop_last)
-        start = _check_int("start", start, 0)
+        start = check_int(start, "start", low=0)
         indices = self.indices()
         for b in range(start, count):
             yield indices[b * batch_size : (b + 1) * batch_size]

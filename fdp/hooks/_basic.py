@@ -10,20 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdp.bucketing import BucketPlan
-from fdp.collectives._axis import sum_over
-from fdp.hooks._contract import CommHook, GradBucket, HookState, as_leaves, stateless_init
-
-
-def _mean(values: list[jax.Array], axis_name: str, n: int) -> list[jax.Array]:
-    # DDP's default: divide by the world size, then sum.
-    return sum_over([v / jnp.asarray(n, v.dtype) for v in values], axis_name)
+from fdp.hooks._contract import (
+    CommHook,
+    GradBucket,
+    HookState,
+    as_leaves,
+    mean_all_reduce,
+    stateless_init,
+)
 
 
 def _allreduce_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
-    n = bucket.num_replicas
     if bucket.layout == "flat":
-        return _mean([bucket.buffer], bucket.axis_name, n)[0], state
-    return _mean(list(bucket.gradients), bucket.axis_name, n), state
+        return mean_all_reduce([bucket.buffer], bucket.axis_name)[0], state
+    return mean_all_reduce(list(bucket.gradients), bucket.axis_name), state
 
 
 def allreduce() -> CommHook:
@@ -60,10 +60,9 @@ def _low(dtype: Any) -> np.dtype:
 
 def _compress(name: str, low: np.dtype) -> CommHook:
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
-        n = bucket.num_replicas
         values = [bucket.buffer] if bucket.layout == "flat" else list(bucket.gradients)
         # Cast down, divide in low precision, all-reduce in low precision, cast back.
-        reduced = _mean([v.astype(low) for v in values], bucket.axis_name, n)
+        reduced = mean_all_reduce([v.astype(low) for v in values], bucket.axis_name)
         reduced = [r.astype(bucket.dtype) for r in reduced]
         return (reduced[0] if bucket.layout == "flat" else reduced), state
 

@@ -12,15 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fdp._validate import check_int
 from fdp.bucketing import BucketPlan
-from fdp.collectives import axis_size
-from fdp.hooks._contract import CommHook, GradBucket, HookState, vary
-
-
-def _check_int(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
-    return value
+from fdp.collectives import axis_size, vary
+from fdp.hooks._contract import CommHook, GradBucket, HookState, mean_all_reduce
 
 
 def subgroups(axis_name: str, subgroup_size: int | None) -> list[list[int]]:
@@ -65,24 +60,24 @@ def post_local_sgd(
     Raises:
       ValueError: a setting is out of range.
     """
-    start = _check_int(start_local_sgd_iter, "start_local_sgd_iter", 0)
+    start = check_int(start_local_sgd_iter, "start_local_sgd_iter", low=0)
     if subgroup_size is not None:
-        _check_int(subgroup_size, "subgroup_size", 1)
+        check_int(subgroup_size, "subgroup_size", low=1)
 
     def init(params: Any, plan: BucketPlan) -> HookState:
         del params, plan
         return {"iter": jnp.zeros((), jnp.int32)}
 
     def global_mean(bucket: GradBucket) -> list[jax.Array]:
-        n = bucket.num_replicas
-        return [g / n for g in jax.lax.psum(list(bucket.gradients), bucket.axis_name)]
+        return mean_all_reduce(list(bucket.gradients), bucket.axis_name, divide_first=False)
 
     def local_mean(bucket: GradBucket) -> list[jax.Array]:
         if not post_local_gradient_allreduce:
             return list(bucket.gradients)
         groups = subgroups(bucket.axis_name, subgroup_size)
-        summed = jax.lax.psum(list(bucket.gradients), bucket.axis_name, axis_index_groups=groups)
-        return [g / len(groups[0]) for g in summed]
+        return mean_all_reduce(
+            list(bucket.gradients), bucket.axis_name, divide_first=False, groups=groups
+        )
 
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
         out = jax.lax.cond(
@@ -116,8 +111,8 @@ class PeriodicModelAverager:
     warmup_steps: int = 0
 
     def __post_init__(self) -> None:
-        _check_int(self.period, "period", 1)
-        _check_int(self.warmup_steps, "warmup_steps", 0)
+        check_int(self.period, "period", low=1)
+        check_int(self.warmup_steps, "warmup_steps", low=0)
         if self.period == 1:
             warnings.warn(
                 "PeriodicModelAverager(period=1) all-reduces every parameter every step, "

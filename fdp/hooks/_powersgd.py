@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from fdp.bucketing import Bucket, BucketPlan, pack
-from fdp.hooks._contract import CommHook, GradBucket, HookState, vary
+from fdp.collectives import vary
+from fdp.hooks._contract import CommHook, GradBucket, HookState, mean_all_reduce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,16 +119,13 @@ def _random_q(cfg: PowerSGDConfig, it: jax.Array, bucket: int, leaf: int, shape:
     return jax.random.normal(key, shape, dtype)
 
 
-def _mean(values: list[jax.Array], axis_name: str, n: int) -> list[jax.Array]:
-    return [v / n for v in jax.lax.psum(values, axis_name)] if values else []
-
-
 def _leaves_mean(state: dict, bucket: GradBucket) -> tuple[list[jax.Array], dict]:
-    return _mean(list(bucket.gradients), bucket.axis_name, bucket.num_replicas), state
+    # Before start_powerSGD_iter torch runs DDP's default all-reduce: divide, then sum.
+    return mean_all_reduce(list(bucket.gradients), bucket.axis_name), state
 
 
 def _flat_mean(state: dict, bucket: GradBucket) -> tuple[jax.Array, dict]:
-    return _mean([bucket.buffer], bucket.axis_name, bucket.num_replicas)[0], state
+    return mean_all_reduce([bucket.buffer], bucket.axis_name)[0], state
 
 
 def _advance(state: dict, bucket: GradBucket) -> dict:
@@ -233,7 +231,9 @@ def powersgd(
         chosen = compressed_leaves(bucket.meta, cfg)
         plain = [i for i in range(len(grads)) if i not in chosen]
         out: list[Any] = [None] * len(grads)
-        for i, mean in zip(plain, _mean([grads[i] for i in plain], axis, n_dev), strict=True):
+        # The uncompressed tensors: summed, then divided (as torch).
+        plain_means = mean_all_reduce([grads[i] for i in plain], axis, divide_first=False)
+        for i, mean in zip(plain, plain_means, strict=True):
             out[i] = mean
 
         matrices = [grads[i].reshape(matrix_shape(bucket.shapes[i])) for i in chosen]

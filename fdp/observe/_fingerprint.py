@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fdp.runtime import _host
+from fdp.runtime._consistency import differences, dtype_name, gather_if_different, listed
 
 CHECK_TIMEOUT = 300.0
 """Seconds the DETAIL check waits for the other processes to reach their first step."""
@@ -28,23 +28,16 @@ PROGRAM = "program (StableHLO sha256)"
 _SHOWN = 20  # differing fields listed in the message
 
 
-def _dtype(x: Any) -> str:
-    dtype = getattr(x, "dtype", None)
-    return str(dtype if dtype is not None else np.asarray(x).dtype)
-
-
-def _signature(x: Any) -> str:
-    return f"{_dtype(x)}{list(np.shape(x))}"
-
-
 def step_fingerprint(
-    step: Any, kind: str, args: dict[str, Any], lowered: Any
+    kind: str, config: Any, plan: Any, args: dict[str, Any], lowered: Any
 ) -> dict[str, str | int | float | bool | None]:
     """What this process is about to run, as a flat ``{field: value}`` dict.
 
     Args:
-      step: a traced train step (it has ``config``, ``plan`` and ``usage``).
       kind: the step's name, e.g. ``"fdp.train_step"``.
+      config: the step's bound :class:`fdp.step.StepConfig`; every setting is
+        a field.
+      plan: the :class:`fdp.step.StepPlan` of this call.
       args: the step's arguments by name (``state``, ``batch``, ...); every
         array leaf gives a field ``name<key path>`` with its dtype and shape.
       lowered: the step's lowered program; its text is hashed.
@@ -53,34 +46,21 @@ def step_fingerprint(
       Plain values only (str, int, float, bool, None), so that processes can
       exchange and compare them.
     """
-    cfg, plan, usage = step.config, step.plan, step.usage
-    hook = cfg.comm_hook
-    fp: dict[str, Any] = {
-        "step": kind,
-        "mesh": repr(dict(cfg.mesh.shape)),
-        "mesh device ids": repr([int(d.id) for d in cfg.mesh.devices.flat]),
-        "axis_name": cfg.axis_name,
-        "bucket_cap_mb": float(cfg.bucket_cap_mb),
-        "first_bucket_cap_mb": float(cfg.first_bucket_cap_mb),
-        "layout": cfg.layout,
-        "comm_hook": hook.name,
-        "comm_hook flags": (
-            f"replicated_output={hook.replicated_output}, vma_safe={hook.vma_safe}"
-        ),
-        "model_averager": repr(getattr(cfg, "model_averager", None)),
-        "accumulate_steps": cfg.accumulate_steps,
-        "accum_dtype": None if cfg.accum_dtype is None else str(np.dtype(cfg.accum_dtype)),
-        "per_example": cfg.per_example,
-        "find_unused_parameters": cfg.find_unused_parameters,
-        "buffers": cfg.buffers,
-        "has_aux": cfg.has_aux,
-        "donate": cfg.donate,
-        "unused parameters": repr(list(usage.unused_key_paths)) if usage is not None else None,
-        "buckets": len(plan.buckets),
-        "bucket caps (bytes)": f"first {plan.first_bucket_cap_bytes}, then {plan.bucket_cap_bytes}",
-        "leaves in no bucket": repr(list(plan.excluded_key_paths)),
-    }
-    for b in plan.buckets:
+    buckets = plan.buckets
+    fp: dict[str, Any] = {"step": kind}
+    for key, value in config.describe().items():
+        fp[key] = value if value is None or isinstance(value, str | int | float) else repr(value)
+    fp.update(
+        {
+            "unused parameters": repr(list(plan.usage.unused_key_paths)),
+            "buckets": len(buckets.buckets),
+            "bucket caps (bytes)": (
+                f"first {buckets.first_bucket_cap_bytes}, then {buckets.bucket_cap_bytes}"
+            ),
+            "leaves in no bucket": repr(list(buckets.excluded_key_paths)),
+        }
+    )
+    for b in buckets.buckets:
         fp[f"bucket {b.index}"] = (
             f"{b.dtype}, {len(b.leaf_indices)} leaf(s), {b.nbytes} bytes, "
             f"{b.key_paths[0]} .. {b.key_paths[-1]}"
@@ -88,7 +68,8 @@ def step_fingerprint(
     for name, tree in args.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-                fp[f"{name}{jax.tree_util.keystr(path)}"] = _signature(leaf)
+                key = f"{name}{jax.tree_util.keystr(path)}"
+                fp[key] = f"{dtype_name(leaf)}{list(np.shape(leaf))}"
     fp[PROGRAM] = hashlib.sha256(lowered.as_text().encode()).hexdigest()
     return fp
 
@@ -102,47 +83,20 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-_MISSING = "(absent)"
-
-
-def differences(fingerprints: list[dict[str, Any]]) -> list[str]:
-    """One line per field whose value is not the same on every process.
-
-    Example:
-      >>> differences([{"bucket_cap_mb": 25.0, "layout": "leaves"},
-      ...              {"bucket_cap_mb": 1.0, "layout": "leaves"}])
-      ['bucket_cap_mb: 25.0 on process(es) [0]; 1.0 on process(es) [1]']
-    """
-    keys = list(dict.fromkeys(k for fp in fingerprints for k in fp))
-    if PROGRAM in keys:  # last: it differs whenever anything above does
-        keys = [k for k in keys if k != PROGRAM] + [PROGRAM]
-    lines = []
-    for key in keys:
-        groups: dict[str, list[int]] = {}
-        for process, fp in enumerate(fingerprints):
-            groups.setdefault(_show(fp[key]) if key in fp else _MISSING, []).append(process)
-        if len(groups) > 1:
-            sides = "; ".join(f"{value} on process(es) {ps}" for value, ps in groups.items())
-            lines.append(f"{key}: {sides}")
-    return lines
-
-
 def mismatch_message(fingerprints: list[dict[str, Any]]) -> str:
     """The error for fingerprints that differ: every differing field and its processes."""
-    lines = differences(fingerprints)
+    lines = differences(fingerprints, show=_show, last=(PROGRAM,))
     hint = ""
     if lines and all(line.startswith(PROGRAM) for line in lines):
         hint = (
             "\nSettings, buckets and shapes agree but the traced programs differ: the "
             "processes run different code (loss function, model, optimizer or hook settings)."
         )
-    more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
     return (
         "Detected mismatch between processes before the first step (FDP_DEBUG=DETAIL); "
         "running it would hang or fail in a mismatched collective. Every process must build "
         "the same step with the same settings and shapes. Differences:\n"
-        + "\n".join(f"  {line}" for line in lines[:_SHOWN])
-        + more
+        + listed(lines, _SHOWN)
         + hint
     )
 
@@ -166,16 +120,13 @@ def check_across_processes(fingerprint: dict[str, Any], *, timeout: float = CHEC
       TimeoutError: some processes did not reach the check within ``timeout``.
     """
     mine = digest(fingerprint)
-    if not jax.distributed.is_initialized() or jax.process_count() == 1:
-        return mine
     try:
-        digests = _host.all_gather_object(mine, timeout=timeout)
-        if len(set(digests)) == 1:
-            return mine
-        gathered = _host.all_gather_object(fingerprint, timeout=timeout)
+        gathered = gather_if_different(fingerprint, timeout=timeout)
     except TimeoutError as e:
         raise TimeoutError(
             f"FDP_DEBUG=DETAIL compares every process's step before the first one, but {e} "
             "Every process must run with the same FDP_DEBUG and reach its first step."
         ) from None
+    if gathered is None:
+        return mine
     raise RuntimeError(mismatch_message(gathered))

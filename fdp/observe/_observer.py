@@ -29,9 +29,8 @@ class Observer:
     """Observes one step function: built in the step's ``__init__``.
 
     Args:
-      step: the step (it has ``config``, ``plan`` and ``usage``).
-      kind: its name in logs, e.g. ``"fdp.train_step"``.
-      arg_names: names of the jitted function's arguments.
+      kind: the step's name in logs, e.g. ``"fdp.train_step"``.
+      arg_names: names of the jitted function's arguments after the plan.
       batch_arg: position of the global batch among them.
       stats: ``True`` or a :class:`fdp.StatsSchedule` to sample runtime
         statistics at any debug level (they are sampled at INFO and DETAIL
@@ -40,7 +39,6 @@ class Observer:
 
     def __init__(
         self,
-        step: Any,
         kind: str,
         arg_names: tuple[str, ...],
         batch_arg: int,
@@ -50,39 +48,44 @@ class Observer:
         self.level: DebugLevel | None = None  # read at the first call
         self.runtime: RuntimeStats | None = None
         self.agreed_digest: str | None = None
-        self._step = step
         self._kind = kind
         self._arg_names = arg_names
         self._batch_arg = batch_arg
         self._schedule = check_schedule(stats)
 
-    def run(self, fn: Any, args: tuple) -> Any:
-        """Runs the jitted step ``fn(*args)``, observing it as the level says."""
-        if self.level is None:
-            return self._first_call(fn, args)
-        return self._sample(fn, args)
+    def run(self, fn: Any, config: Any, plan: Any, args: tuple) -> Any:
+        """Runs the jitted step ``fn(plan, *args)``, observing it as the level says.
 
-    def _sample(self, fn: Any, args: tuple) -> Any:
-        out, sampled = self.runtime.run(fn, args, args[self._batch_arg])
+        Args:
+          fn: the jitted step; its first argument is the (static) plan.
+          config: the step's bound :class:`fdp.step.StepConfig`.
+          plan: the :class:`fdp.step.StepPlan` of this call.
+          args: the step's other arguments.
+        """
+        if self.level is None:
+            return self._first_call(fn, config, plan, args)
+        return self._sample(fn, plan, args)
+
+    def _sample(self, fn: Any, plan: Any, args: tuple) -> Any:
+        out, sampled = self.runtime.run(fn, (plan, *args), args[self._batch_arg])
         if sampled and self.level >= DebugLevel.INFO:
             logger.info("%s: %s", self._kind, self.runtime.summary())
         return out
 
-    def _first_call(self, fn: Any, args: tuple) -> Any:
+    def _first_call(self, fn: Any, config: Any, plan: Any, args: tuple) -> Any:
         level = debug_level()
         schedule = self._schedule or (StatsSchedule() if level >= DebugLevel.INFO else None)
         if schedule is None:
             self.level, self.on = level, False
-            return fn(*args)
-        # Tracing first gives the plan and usage before anything runs; the call
-        # below finds this trace in jit's cache and does not trace again.
-        lowered = fn.trace(*args).lower()
+            return fn(plan, *args)
+        # The call below finds this trace in jit's cache and does not trace again.
+        lowered = fn.trace(plan, *args).lower()
         collectives = collective_stats(lowered)
         runtime = RuntimeStats(
             schedule, collectives=collectives.summary(), sent_bytes=collectives.sent_bytes()
         )
         if level >= DebugLevel.INFO:
-            logger.info("%s", self.render(self.logging_data()))
+            logger.info("%s", render(self._kind, logging_data(self._kind, config, plan)))
         if level >= DebugLevel.DETAIL:
             logger.debug(
                 "%s: collectives per step, per device, in the lowered program: %s",
@@ -90,7 +93,7 @@ class Observer:
                 collectives.summary(),
             )
             named = dict(zip(self._arg_names, args, strict=True))
-            fingerprint = _fingerprint.step_fingerprint(self._step, self._kind, named, lowered)
+            fingerprint = _fingerprint.step_fingerprint(self._kind, config, plan, named, lowered)
             self.agreed_digest = _fingerprint.check_across_processes(fingerprint)
             logger.debug(
                 "%s: %d process(es) agree on the step (%d fields, sha256 %s)",
@@ -101,7 +104,7 @@ class Observer:
             )
         # Only now: if anything above raised, the next call is a first call again.
         self.level, self.runtime = level, runtime
-        return self._sample(fn, args)
+        return self._sample(fn, plan, args)
 
     def stats(self) -> dict[str, Any]:
         """The runtime statistics, or ``{"enabled": False}`` when none are sampled."""
@@ -109,60 +112,48 @@ class Observer:
             return {"enabled": False}
         return {"enabled": True, **self.runtime.as_dict()}
 
-    def logging_data(self) -> dict[str, Any]:
-        """The step's settings, as DDP's ``_get_ddp_logging_data`` gives them.
 
-        Raises:
-          RuntimeError: the step has not been traced yet.
-        """
-        step = self._step
-        if step.plan is None:
-            raise RuntimeError(
-                f"{type(step).__name__}.logging_data() needs the traced step: call the step "
-                "(or its .lower(...)) once first."
-            )
-        cfg, plan, usage = step.config, step.plan, step.usage
-        devices = list(cfg.mesh.devices.flat)
-        shapes, dtypes_ = plan.leaf_shapes, plan.leaf_dtypes
-        leaf_bytes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes_, strict=True)]
-        unused = usage.unused if usage is not None else ()
-        dtypes = collections.Counter(str(d) for d in plan.leaf_dtypes)
-        return {
-            "step": self._kind,
-            "process_index": jax.process_index(),
-            "process_count": jax.process_count(),
-            "platform": devices[0].platform,
-            "device_kind": devices[0].device_kind,
-            "device_count": len(devices),
-            "local_device_count": sum(d.process_index == jax.process_index() for d in devices),
-            "mesh": dict(cfg.mesh.shape),
-            "axis_name": cfg.axis_name,
-            "num_replicas": cfg.num_replicas,
-            "num_parameter_leaves": len(plan.leaf_shapes),
-            "total_parameter_size_bytes": sum(leaf_bytes),
-            "dtypes": dict(sorted(dtypes.items())),
-            "bucket_cap_mb": cfg.bucket_cap_mb,
-            "first_bucket_cap_mb": cfg.first_bucket_cap_mb,
-            "bucket_cap_bytes": plan.bucket_cap_bytes,
-            "first_bucket_cap_bytes": plan.first_bucket_cap_bytes,
-            "num_buckets": len(plan.buckets),
-            "bucket_sizes": [b.nbytes for b in plan.buckets],
-            "comm_hook": cfg.comm_hook.name,
-            "layout": cfg.layout,
-            "accumulate_steps": cfg.accumulate_steps,
-            "find_unused_parameters": cfg.find_unused_parameters,
-            "unused_parameters": list(usage.unused_key_paths) if usage is not None else [],
-            "unused_parameter_size": sum(leaf_bytes[i] for i in unused),
-            "conditional_parameters": list(usage.conditional_key_paths) if usage else [],
-            "buffers": cfg.buffers,
-            "per_example": cfg.per_example,
-            "donate": cfg.donate,
-        }
+def logging_data(kind: str, config: Any, plan: Any) -> dict[str, Any]:
+    """A step's settings, as DDP's ``_get_ddp_logging_data`` gives them.
 
-    def render(self, data: dict[str, Any]) -> str:
-        """The INFO message: one ``key: value`` line per field."""
-        head = (
-            f"{self._kind} (process {data['process_index']} of {data['process_count']}), "
-            "before its first step:"
-        )
-        return "\n".join([head, *(f"  {k}: {v}" for k, v in data.items())])
+    Args:
+      kind: the step's name, e.g. ``"fdp.train_step"``.
+      config: its bound :class:`fdp.step.StepConfig` (every setting is listed).
+      plan: its :class:`fdp.step.StepPlan` (buckets, parameters, usage).
+    """
+    buckets, usage = plan.buckets, plan.usage
+    devices = list(config.mesh.devices.flat)
+    shapes, dtypes_ = buckets.leaf_shapes, buckets.leaf_dtypes
+    leaf_bytes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes_, strict=True)]
+    settings = config.describe()
+    del settings["mesh_device_ids"]  # the mesh's shape is enough in a log
+    return {
+        "step": kind,
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "local_device_count": sum(d.process_index == jax.process_index() for d in devices),
+        "num_replicas": config.num_replicas,
+        **settings,
+        "num_parameter_leaves": len(shapes),
+        "total_parameter_size_bytes": sum(leaf_bytes),
+        "dtypes": dict(sorted(collections.Counter(str(d) for d in dtypes_).items())),
+        "bucket_cap_bytes": buckets.bucket_cap_bytes,
+        "first_bucket_cap_bytes": buckets.first_bucket_cap_bytes,
+        "num_buckets": len(buckets.buckets),
+        "bucket_sizes": [b.nbytes for b in buckets.buckets],
+        "unused_parameters": list(usage.unused_key_paths),
+        "unused_parameter_size": sum(leaf_bytes[i] for i in usage.unused),
+        "conditional_parameters": list(usage.conditional_key_paths),
+    }
+
+
+def render(kind: str, data: dict[str, Any]) -> str:
+    """The INFO message: one ``key: value`` line per field."""
+    head = (
+        f"{kind} (process {data['process_index']} of {data['process_count']}), "
+        "before its first step:"
+    )
+    return "\n".join([head, *(f"  {k}: {v}" for k, v in data.items())])

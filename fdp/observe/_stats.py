@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from fdp._compat import jit_cache_size
+
 
 class StatsSchedule(NamedTuple):
     """Which steps are timed: the first ``first``, then every ``every``-th.
@@ -105,17 +107,15 @@ class RuntimeStats:
         # The previous step's results first: its time is not this step's.
         jax.block_until_ready(args)
         # A jitted function's cache grows when a call compiles; such a call
-        # times the compiler, not the step. (A private method: without it, no
-        # step after the first is recognised as compiling.)
-        cache_size = getattr(fn, "_cache_size", lambda: 0)
-        cached = cache_size()
+        # times the compiler, not the step.
+        cached = jit_cache_size(fn)
         start = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         seconds = time.perf_counter() - start
         examples = int(jax.tree.leaves(batch)[0].shape[0])
         if self.steps == 1:
             self.first_step_seconds = seconds
-        if self.steps == 1 or cache_size() > cached:
+        if self.steps == 1 or jit_cache_size(fn) > cached:
             self.compiled_steps.append(self.steps)
             self._last_compiled = seconds
         else:

@@ -9,6 +9,7 @@ leaf by its key path and the processes on each side.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,7 +20,8 @@ from fdp.runtime import _host
 _SHOWN = 10  # mismatching leaves listed in the message
 
 
-def _dtype(x: Any) -> str:
+def dtype_name(x: Any) -> str:
+    """The dtype of an array or scalar, as a string."""
     dtype = getattr(x, "dtype", None)
     return str(dtype if dtype is not None else np.asarray(x).dtype)
 
@@ -33,22 +35,66 @@ def leaf_signatures(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
       [("['step']", (), 'int32'), ("['w']", (2, 3), 'float32')]
     """
     return [
-        (jax.tree_util.keystr(path) or "<root>", tuple(np.shape(x)), _dtype(x))
+        (jax.tree_util.keystr(path) or "<root>", tuple(np.shape(x)), dtype_name(x))
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
     ]
 
 
-def _describe(key: str, per_process: list[dict]) -> str | None:
-    groups: dict[Any, list[int]] = {}
-    for process, leaves in enumerate(per_process):
-        groups.setdefault(leaves.get(key), []).append(process)
-    if len(groups) == 1:
+def gather_if_different(value: Any, *, timeout: float) -> list[Any] | None:
+    """Every process's ``value`` if they differ, else None (one process: None).
+
+    The processes exchange a sha256 of ``repr(value)`` first, and the values
+    themselves only when the hashes differ, so agreeing is cheap.
+    """
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return None
-    sides = []
-    for signature, processes in groups.items():
-        what = "missing" if signature is None else f"{tuple(signature[0])} {signature[1]}"
-        sides.append(f"{what} on process(es) {processes}")
-    return f"  {key}: " + ", ".join(sides)
+    digest = hashlib.sha256(repr(value).encode()).hexdigest()
+    if len(set(_host.all_gather_object(digest, timeout=timeout))) == 1:
+        return None
+    return _host.all_gather_object(value, timeout=timeout)
+
+
+def differences(
+    per_process: Sequence[Mapping[str, Any]],
+    *,
+    show: Callable[[Any], str] = str,
+    absent: str = "(absent)",
+    sep: str = "; ",
+    last: Sequence[str] = (),
+) -> list[str]:
+    """One line per key whose value is not the same on every process.
+
+    Args:
+      per_process: each process's ``{key: value}``, in process order.
+      show: how a value is written.
+      absent: what a process without the key shows.
+      sep: between the groups of processes that agree.
+      last: keys listed after all others (e.g. a hash that differs whenever
+        anything else does).
+
+    Example:
+      >>> differences([{"bucket_cap_mb": 25.0, "layout": "leaves"},
+      ...              {"bucket_cap_mb": 1.0, "layout": "leaves"}])
+      ['bucket_cap_mb: 25.0 on process(es) [0]; 1.0 on process(es) [1]']
+    """
+    keys = list(dict.fromkeys(k for values in per_process for k in values))
+    keys = [k for k in keys if k not in last] + [k for k in last if k in keys]
+    lines = []
+    for key in keys:
+        groups: dict[str, list[int]] = {}
+        for process, values in enumerate(per_process):
+            shown = show(values[key]) if key in values else absent
+            groups.setdefault(shown, []).append(process)
+        if len(groups) > 1:
+            sides = sep.join(f"{v} on process(es) {ps}" for v, ps in groups.items())
+            lines.append(f"{key}: {sides}")
+    return lines
+
+
+def listed(lines: Sequence[str], shown: int) -> str:
+    """The first ``shown`` lines, indented, and how many more there are."""
+    more = f"\n  ... and {len(lines) - shown} more" if len(lines) > shown else ""
+    return "\n".join(f"  {line}" for line in lines[:shown]) + more
 
 
 def check_consistent(
@@ -75,22 +121,17 @@ def check_consistent(
       >>> import fdp
       >>> fdp.check_consistent({"w": jnp.zeros((4, 2))})  # one process: nothing to compare
     """
-    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    gathered = gather_if_different(leaf_signatures(tree), timeout=timeout)
+    if gathered is None:
         return
-    signatures = leaf_signatures(tree)
-    digest = hashlib.sha256(repr(signatures).encode()).hexdigest()
-    if len(set(_host.all_gather_object(digest, timeout=timeout))) == 1:
-        return
-    gathered = _host.all_gather_object(signatures, timeout=timeout)
     per_process = [{key: (shape, dtype) for key, shape, dtype in s} for s in gathered]
-    keys = list(dict.fromkeys(key for s in gathered for key, _, _ in s))
-    problems = [line for key in keys if (line := _describe(key, per_process)) is not None]
+    problems = differences(
+        per_process, show=lambda s: f"{tuple(s[0])} {s[1]}", absent="missing", sep=", "
+    )
     if not problems:
-        problems = ["  the leaves agree, but their order differs (different container types?)"]
-    more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+        problems = ["the leaves agree, but their order differs (different container types?)"]
     raise ValueError(
         f"the {what} differs across processes; every process must build it with the same "
         f"key paths, shapes and dtypes (process 0's values are then copied to all):\n"
-        + "\n".join(problems[:_SHOWN])
-        + more
+        + listed(problems, _SHOWN)
     )

@@ -13,6 +13,7 @@ For training loops that do their own micro-batching::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -21,21 +22,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import plan_for
+from fdp.collectives import vary
 from fdp.data._placement import DATA_AXIS
 from fdp.hooks import CommHook, reduce_with_hook
-from fdp.step._common import (
-    LossFn,
-    StepConfig,
-    StepLayout,
-    add_device_axis,
-    call_loss,
-    device_rng,
-    make_config,
-    per_device,
-    prepare_batch,
-    strip_device_axis,
-)
+from fdp.step._batch import batch_rows, place_batch
+from fdp.step._config import LossFn, StepConfig, StepLayout
+from fdp.step._core import device_rng
 from fdp.step._local_grads import accum_dtype_for
+from fdp.step._loss import call_loss, check_loss_fn
+from fdp.step._state import add_device_axis, strip_device_axis
 
 
 class Accumulated(NamedTuple):
@@ -61,25 +56,31 @@ class GradAccumulator:
 
     def __init__(self, loss_fn: LossFn, cfg: StepConfig):
         self.loss_fn = loss_fn
-        self.config = cfg
-        self._init = jax.jit(self._global_init)
-        self._accumulate = jax.jit(self._global_accumulate, donate_argnums=(1,))
-        self._sync = jax.jit(
+        self._config = cfg
+
+    @property
+    def config(self) -> StepConfig:
+        """The settings, bound to the mesh (the first access starts JAX's backend)."""
+        if not self._config.bound:
+            self._config = self._config.bind()
+        return self._config
+
+    @functools.cached_property
+    def _init(self) -> Any:
+        return jax.jit(self._global_init)
+
+    @functools.cached_property
+    def _accumulate(self) -> Any:
+        return jax.jit(self._global_accumulate, donate_argnums=(1,))
+
+    @functools.cached_property
+    def _sync(self) -> Any:
+        cfg = self.config
+        return jax.jit(
             self._global_sync,
             donate_argnums=(0, 1) if cfg.donate else (1,),
             compiler_options=cfg.compiler_options,
         )
-
-    def _map(self, fn: Any, in_specs: tuple, out_specs: Any, *args: Any) -> Any:
-        cfg = self.config
-        return jax.shard_map(
-            fn,
-            mesh=cfg.mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names={cfg.axis_name},
-            check_vma=cfg.check_vma,
-        )(*args)
 
     def _global_init(self, params: Any) -> Accumulated:
         cfg = self.config
@@ -90,7 +91,7 @@ class GradAccumulator:
             )
             return add_device_axis(Accumulated(zeros, jnp.zeros(()), jnp.zeros(())))
 
-        return self._map(local, (P(),), P(cfg.axis_name), params)
+        return cfg.shard_map(local, (P(),), P(cfg.axis_name))(params)
 
     def init(self, state: Any) -> Accumulated:
         """Zero accumulators, one per device, for ``state.params``."""
@@ -100,7 +101,7 @@ class GradAccumulator:
         self, state: Any, acc: Accumulated, batch: Any, rng: Any, mask: Any
     ) -> tuple[Accumulated, jax.Array]:
         cfg = self.config
-        batch, mask = prepare_batch(batch, mask, cfg)
+        batch, mask = place_batch(batch, mask, batch_rows(batch, mask, cfg), cfg)
         axis = P(cfg.axis_name)
 
         def local(state: Any, acc: Accumulated, batch: Any, rng: Any, mask: Any) -> tuple:
@@ -115,15 +116,14 @@ class GradAccumulator:
                 return loss, jnp.ones(())
 
             (loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(
-                per_device(state.params, cfg.axis_name)
+                vary(state.params, cfg.axis_name)
             )
             summed = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc.grads, grads)
             new = Accumulated(summed, acc.loss + loss, acc.weight + weight)
             return add_device_axis(new), add_device_axis(loss)
 
-        return self._map(
-            local, (P(), axis, axis, P(), axis), (axis, axis), state, acc, batch, rng, mask
-        )
+        mapped = cfg.shard_map(local, (P(), axis, axis, P(), axis), (axis, axis))
+        return mapped(state, acc, batch, rng, mask)
 
     def accumulate(
         self, state: Any, acc: Accumulated, batch: Any, rng: Any = None, mask: Any = None
@@ -161,7 +161,7 @@ class GradAccumulator:
             loss = jax.lax.psum(acc.loss, cfg.axis_name) / total
             return state.apply_gradients(grads=grads), {"loss": loss}
 
-        return self._map(local, (P(), P(cfg.axis_name)), (P(), P()), state, acc)
+        return cfg.shard_map(local, (P(), P(cfg.axis_name)), (P(), P()))(state, acc)
 
     def sync(self, state: Any, acc: Accumulated) -> tuple[Any, dict[str, Any]]:
         """Averages the accumulated gradients over the data axis and applies them.
@@ -208,23 +208,11 @@ def grad_accumulator(
       ValueError: a hook whose replicas diverge; ``sync`` raises for a hook
         that keeps state (use ``fdp.train_step(accumulate_steps=...)``).
     """
-    cfg = make_config(
-        loss_fn,
-        mesh=mesh,
-        axis_name=axis_name,
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_cap_mb=first_bucket_cap_mb,
-        has_aux=False,
-        donate=donate,
-        layout=layout,
-        comm_hook=comm_hook,
-        model_averager=None,
-        accum_dtype=accum_dtype,
-        per_example=per_example,
-    )
+    settings = {k: v for k, v in locals().items() if k != "loss_fn"}
+    cfg = StepConfig(**settings)
     if cfg.per_device_state:
         raise ValueError(
             f"comm hook {cfg.comm_hook.name!r} lets replicas diverge; grad_accumulator keeps "
             "one replicated state. Use fdp.train_step(accumulate_steps=...) instead."
         )
-    return GradAccumulator(loss_fn, cfg)
+    return GradAccumulator(check_loss_fn(loss_fn), cfg)

@@ -23,8 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fdp.collectives._axis import mean_over, sum_over
-from fdp.hooks._contract import vary
+from fdp.collectives import mean_over, sum_over, vary
 from fdp.step._usage import nonzero_flags
 
 # objective(params, micro_batch, carry, rng) -> (loss, aux, new_carry); ``loss`` is a

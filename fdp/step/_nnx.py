@@ -2,48 +2,56 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.data._placement import DATA_AXIS, replicate
-from fdp.hooks import CommHook, reduce_with_hook
-from fdp.observe._observer import Observer
+from fdp.hooks import CommHook
 from fdp.observe._stats import StatsSchedule
-from fdp.step._common import (
-    LossFn,
-    StepConfig,
-    StepLayout,
+from fdp.step._batch import batch_rows, local_batch_struct, place_batch
+from fdp.step._config import LossFn, StepConfig, StepLayout
+from fdp.step._core import reduce_step
+from fdp.step._loss import call_loss, check_loss_fn
+from fdp.step._plan import StepPlan, prepare
+from fdp.step._runner import StepRunner
+from fdp.step._state import (
     add_device_axis,
-    call_loss,
-    has_leaves,
-    make_config,
-    per_device,
-    prepare_batch,
-    reduce_metrics,
+    hook_is_stateful,
+    init_hook_state,
     strip_device_axis,
-    sync_buffers,
 )
-from fdp.step._local_grads import local_gradients
-from fdp.step._usage import (
-    ParamUsage,
-    analyse_usage,
-    keep_untouched,
-    untouched_flags,
-    warn_if_unused,
-)
+from fdp.step._usage import keep_untouched
 
 
 class CommState(nnx.Variable):
     """A comm hook's state on an ``nnx.Optimizer`` (one copy per device, stacked)."""
 
 
-class NNXDataParallelStep:
+@dataclasses.dataclass(frozen=True)
+class _ModelLoss:
+    """The user's ``loss_fn(model, batch)`` as a function of the model's arrays (hashable)."""
+
+    loss_fn: Any
+    graphdef: Any
+
+    def __call__(self, params: Any, batch: Any, keys: Any, rest: Any) -> Any:
+        # copy=True: fresh Variables at this trace level, which the forward pass
+        # may mutate (batch statistics, rng counters).
+        return self.loss_fn(nnx.merge(self.graphdef, params, keys, rest, copy=True), batch)
+
+
+def _split_model(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any, Any, Any]:
+    """``(graphdef, params, rng keys, other state)`` of ``model``."""
+    return nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
+
+
+class NNXDataParallelStep(StepRunner):
     """A compiled data-parallel step for Flax NNX; build it with :func:`nnx_train_step`.
 
     Call it as ``metrics = step(model, optimizer, batch[, mask])``: like
@@ -53,181 +61,133 @@ class NNXDataParallelStep:
     """
 
     def __init__(self, loss_fn: LossFn, cfg: StepConfig, stats: bool | StatsSchedule = False):
-        self.loss_fn = loss_fn
-        self.config = cfg
-        self.plan: BucketPlan | None = None
-        self.usage: ParamUsage | None = None
-        self._placed = False
-        self._jitted = jax.jit(
+        super().__init__(
+            "fdp.nnx_train_step",
+            cfg,
             self._global_step,
-            static_argnums=(0,),
             donate_argnums=(1, 2) if cfg.donate else (),
-            compiler_options=cfg.compiler_options,
+            static_argnums=(0,),
+            arg_names=("graphdef", "comm_state", "state", "batch", "mask"),
+            batch_arg=3,
+            stats=stats,
         )
-        self._jitted_hook_init = jax.jit(self._hook_init)
-        names = ("graphdef", "comm_state", "state", "batch", "mask")
-        self._observer = Observer(self, "fdp.nnx_train_step", names, 3, stats)
+        self.loss_fn = loss_fn
+        self._placed = False
 
-    def _hook_init(self, params: Any) -> Any:
+    def _plan(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any) -> StepPlan:
         cfg = self.config
-        plan = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-        return jax.shard_map(
-            lambda p: add_device_axis(cfg.comm_hook.init(p, plan)),
-            mesh=cfg.mesh,
-            in_specs=P(),
-            out_specs=P(cfg.axis_name),
-            axis_names={cfg.axis_name},
-            check_vma=False,
-        )(params)
+        rows = batch_rows(batch, mask, cfg)
+        graphdef, params, keys, rest = _split_model(model, optimizer)
+        micro_batch = local_batch_struct(batch, rows, cfg)
+        loss = _ModelLoss(self.loss_fn, graphdef)
+        return prepare(cfg, loss, rows, params, micro_batch, keys, rest)
 
     def init(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None) -> None:
-        """Gives ``optimizer`` the comm hook's state, and reads the parameter usage."""
-        if not isinstance(optimizer, nnx.Optimizer):
-            raise TypeError(
-                f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. "
-                "For a Linen TrainState use fdp.train_step."
-            )
+        """Places ``model`` and ``optimizer`` on the mesh and gives ``optimizer`` the hook's state.
+
+        The step does this by itself at its first call. With ``batch``, the
+        parameters the loss does not use are known, and left out of the buckets
+        that shape the hook's state (with ``find_unused_parameters``).
+        """
+        _check_optimizer(optimizer)
+        plan = None if batch is None else self._plan(model, optimizer, batch, None)
+        self._init(model, optimizer, None if plan is None else plan.buckets)
+
+    def _init(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, buckets: BucketPlan | None
+    ) -> None:
         cfg = self.config
         if not self._placed:
-            # On the mesh before the first step: the step's outputs are, and inputs
-            # placed otherwise would compile the step a second time on the next call.
-            # With several processes this also hands everyone process 0's values.
+            # On the mesh before the first step: the step's outputs are, and inputs placed
+            # otherwise would compile the step a second time on the next call. With
+            # several processes this also hands everyone process 0's values.
             nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.mesh))
             self._placed = True
-        if batch is not None and self.usage is None:
-            self.usage = self._analyse(model, optimizer, batch)
         if hasattr(optimizer, "fdp_comm_state"):
             return
         params = nnx.state(model, optimizer.wrt)
-        plan = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-        if has_leaves(jax.eval_shape(lambda p: cfg.comm_hook.init(p, plan), params)):
-            optimizer.fdp_comm_state = CommState(self._jitted_hook_init(params))
-
-    def _analyse(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> ParamUsage:
-        cfg = self.config
-        model_def, params, rest = nnx.split(model, optimizer.wrt, ...)
-        split = cfg.num_replicas * cfg.accumulate_steps
-        local = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                (max(1, jnp.shape(x)[0] // split), *jnp.shape(x)[1:]), jnp.result_type(x)
-            ),
-            batch,
-        )
-
-        def loss_of(p: Any, b: Any, r: Any) -> Any:
-            return self.loss_fn(nnx.merge(model_def, p, r, copy=True), b)
-
-        usage = analyse_usage(
-            loss_of, params, local, rest, axis_env=[(cfg.axis_name, cfg.num_replicas)]
-        )
-        warn_if_unused(usage, cfg.find_unused_parameters, stacklevel=4)
-        return usage
+        if buckets is None:
+            buckets = self.plan or plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+        if hook_is_stateful(cfg, buckets):
+            hook_state = init_hook_state(cfg, buckets, params, stacked=False)
+            optimizer.fdp_comm_state = CommState(hook_state)
 
     def _global_step(
-        self, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
+        self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
     ) -> tuple[Any, Any, dict[str, Any]]:
         cfg = self.config
-        batch, mask = prepare_batch(batch, mask, cfg)
-        local = jax.shard_map(
-            lambda c, s, b, m: self._local_step(graphdef, c, s, b, m),
-            mesh=cfg.mesh,
-            in_specs=(P(cfg.axis_name), P(), P(cfg.axis_name), P(cfg.axis_name)),
-            out_specs=(P(cfg.axis_name), P(), P()),
-            axis_names={cfg.axis_name},
-            check_vma=cfg.check_vma,
+        batch, mask = place_batch(batch, mask, plan.rows, cfg)
+        data = P(cfg.axis_name)
+        local = cfg.shard_map(
+            lambda c, s, b, m: self._local_step(plan, graphdef, c, s, b, m),
+            in_specs=(data, P(), data, data),
+            out_specs=(data, P(), P()),
         )
         return local(comm, state, batch, mask)
 
     def _local_step(
-        self, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
+        self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
     ) -> tuple[Any, Any, dict[str, Any]]:
         cfg = self.config
         model, optimizer = nnx.merge(graphdef, strip_device_axis(comm), state)
-        model_def, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
-        usage = self.usage
-        unused = usage.unused if (cfg.find_unused_parameters and usage is not None) else ()
-        track = usage.conditional if (cfg.find_unused_parameters and usage is not None) else ()
-        self.plan = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, unused)
+        model_def, params, keys, rest = _split_model(model, optimizer)
         # Per-device random streams, so each device draws its own dropout masks.
         index = jax.lax.axis_index(cfg.axis_name)
         local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
 
         def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
             del key
-            # copy=True: fresh Variables at this trace level, which the forward
-            # pass may mutate (batch statistics, rng counters).
             m = nnx.merge(model_def, p, local_keys, carry, copy=True)
             loss, aux, _ = call_loss(self.loss_fn, cfg, False, m, micro)
-            return loss, aux, nnx.split(m, optimizer.wrt, nnx.RngKey, ...)[3]
+            return loss, aux, _split_model(m, optimizer)[3]
 
-        out = local_gradients(
-            objective,
-            per_device(params, cfg.axis_name),
-            batch,
-            rest,
-            axis_name=cfg.axis_name,
-            accumulate_steps=cfg.accumulate_steps,
-            accum_dtype=cfg.accum_dtype,
-            per_example=cfg.per_example,
-            mask=mask,
-            track=track,
-        )
         has_comm = hasattr(optimizer, "fdp_comm_state")
         hook_state = optimizer.fdp_comm_state.get_value() if has_comm else ()
-        grads, hook_state = reduce_with_hook(
-            cfg.comm_hook,
-            hook_state,
-            out.grads,
-            axis_name=cfg.axis_name,
-            plan=self.plan,
-            layout=cfg.layout,
-            params=params,
+        out = reduce_step(
+            objective, params, rest, hook_state, batch, mask, None, config=cfg, plan=plan
         )
-        nnx.update(model, sync_buffers(out.carry, cfg.buffers, cfg.axis_name))
+        nnx.update(model, out.buffers)
         old = (nnx.as_pure(params), nnx.as_pure(optimizer.opt_state))
-        optimizer.update(model, grads)
-        if unused or track:
-            keep = untouched_flags(usage, out.used, cfg.axis_name)
+        optimizer.update(model, out.grads)
+        if out.keep is not None:
             new = (nnx.as_pure(nnx.state(model, optimizer.wrt)), nnx.as_pure(optimizer.opt_state))
-            kept_params, kept_opt = keep_untouched(new, old, jax.tree.structure(old[0]), keep)
+            kept_params, kept_opt = keep_untouched(new, old, jax.tree.structure(old[0]), out.keep)
             nnx.update(model, kept_params)
             nnx.update(optimizer.opt_state, nnx.state(kept_opt))
         if has_comm:
-            optimizer.fdp_comm_state.set_value(hook_state)
+            optimizer.fdp_comm_state.set_value(out.hook_state)
         comm_out, state_out = nnx.split((model, optimizer), CommState, ...)[1:]
-        metrics = reduce_metrics(out.global_loss(cfg.axis_name), out.aux, cfg.axis_name)
-        return add_device_axis(comm_out), state_out, metrics
+        return add_device_axis(comm_out), state_out, out.metrics
 
     def __call__(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
     ) -> dict[str, Any]:
         """Runs one step in place and returns the metrics."""
-        self.init(model, optimizer, batch)
+        _check_optimizer(optimizer)
+        plan = self._plan(model, optimizer, batch, mask)
+        self._init(model, optimizer, plan.buckets)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
-        if self._observer.on:
-            comm, state, metrics = self._observer.run(
-                self._jitted, (graphdef, comm, state, batch, mask)
-            )
-        else:
-            comm, state, metrics = self._jitted(graphdef, comm, state, batch, mask)
+        comm, state, metrics = self._run(plan, graphdef, comm, state, batch, mask)
         nnx.update((model, optimizer), comm, state)
         return metrics
-
-    def stats(self) -> dict[str, Any]:
-        """Sampled runtime statistics; see :meth:`fdp.DataParallelStep.stats`."""
-        return self._observer.stats()
-
-    def logging_data(self) -> dict[str, Any]:
-        """The step's settings as logged at ``FDP_DEBUG=INFO`` (DDP's logging data)."""
-        return self._observer.logging_data()
 
     def lower(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
     ) -> Any:
         """The lowered step, without running it."""
-        self.init(model, optimizer, batch)
+        _check_optimizer(optimizer)
+        plan = self._plan(model, optimizer, batch, mask)
+        self._init(model, optimizer, plan.buckets)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
-        return self._jitted.lower(graphdef, comm, state, batch, mask)
+        return self._lower(plan, graphdef, comm, state, batch, mask)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}. "
+            "For a Linen TrainState use fdp.train_step."
+        )
 
 
 def nnx_train_step(
@@ -304,23 +264,8 @@ def nnx_train_step(
       >>> int(optimizer.step[...])
       1
     """
-    cfg = make_config(
-        loss_fn,
-        mesh=mesh,
-        axis_name=axis_name,
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_cap_mb=first_bucket_cap_mb,
-        has_aux=has_aux,
-        donate=donate,
-        layout=layout,
-        comm_hook=comm_hook,
-        model_averager=None,
-        accumulate_steps=accumulate_steps,
-        accum_dtype=accum_dtype,
-        per_example=per_example,
-        find_unused_parameters=find_unused_parameters,
-        buffers=buffers,
-    )
+    settings = {k: v for k, v in locals().items() if k not in ("loss_fn", "stats")}
+    cfg = StepConfig(**settings)
     if cfg.buffers == "local":
         raise ValueError(
             "buffers='local' keeps batch statistics once per device, which an NNX model "
@@ -333,4 +278,4 @@ def nnx_train_step(
             "per device; an NNX model object holds one. Use fdp.train_step with a Linen "
             "TrainState for this hook."
         )
-    return NNXDataParallelStep(loss_fn, cfg, stats)
+    return NNXDataParallelStep(check_loss_fn(loss_fn), cfg, stats)

@@ -1,10 +1,25 @@
-"""``fdp.TrainState``: Flax's ``TrainState`` with a place for comm-hook state."""
+"""What a step keeps between calls: ``fdp.TrainState``, per-device copies, hook state.
+
+Before its first step a Linen state is prepared once (:func:`prepare_linen_state`):
+placed on the mesh, stacked once per device where replicas may diverge, and given
+the comm hook's state.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fdp.bucketing import BucketPlan
+from fdp.data._placement import replicate
+from fdp.step._config import StepConfig
 
 
 class TrainState(train_state.TrainState):
@@ -30,3 +45,167 @@ class TrainState(train_state.TrainState):
 
     comm_state: Any = None
     batch_stats: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PerDevice:
+    """A pytree kept once per device: every leaf has a leading device axis.
+
+    fdp wraps ``batch_stats`` in it with ``buffers='local'``. Device ``i``'s
+    copy is ``jax.tree.map(lambda x: x[i], per_device.value)``.
+    """
+
+    value: Any
+
+
+def strip_device_axis(tree: Any) -> Any:
+    """Inside shard_map: a per-device leaf ``[1, ...]`` as ``[...]``."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def add_device_axis(tree: Any) -> Any:
+    """Inside shard_map: ``[...]`` as this device's ``[1, ...]`` block."""
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def has_leaves(tree: Any) -> bool:
+    """Whether a pytree holds any array."""
+    return bool(jax.tree.leaves(tree))
+
+
+SIDE_FIELDS = ("comm_state", "batch_stats")
+
+
+def split_side(state: Any) -> tuple[Any, dict[str, Any]]:
+    """A Linen state without its side fields (hook state, batch statistics), and those."""
+    side = {f: getattr(state, f) for f in SIDE_FIELDS if getattr(state, f, None) is not None}
+    return (state.replace(**dict.fromkeys(side)) if side else state), side
+
+
+def join_side(core: Any, side: dict[str, Any]) -> Any:
+    """The inverse of :func:`split_side` (fields that are None stay as they are)."""
+    present = {k: v for k, v in side.items() if v is not None}
+    return core.replace(**present) if present else core
+
+
+def _init_hook_state(config: StepConfig, buckets: BucketPlan, params: Any, stacked: bool) -> Any:
+    def local(params: Any) -> Any:
+        params = strip_device_axis(params) if stacked else params
+        return add_device_axis(config.comm_hook.init(params, buckets))
+
+    spec = jax.P(config.axis_name)
+    mapped = jax.shard_map(
+        local,
+        mesh=config.mesh,
+        in_specs=spec if stacked else jax.P(),
+        out_specs=spec,
+        axis_names={config.axis_name},
+        check_vma=False,
+    )
+    return mapped(params)
+
+
+_init_hook_state_jit = jax.jit(_init_hook_state, static_argnums=(0, 1, 3))
+
+
+def init_hook_state(config: StepConfig, buckets: BucketPlan, params: Any, *, stacked: bool) -> Any:
+    """The comm hook's state on every device, stacked along a leading device axis.
+
+    Args:
+      config: the bound step config.
+      buckets: the step's bucket plan (it shapes the state).
+      params: the parameters, replicated, or ``stacked`` with a device axis.
+      stacked: whether ``params`` has a leading device axis.
+    """
+    return _init_hook_state_jit(config, buckets, params, stacked)
+
+
+def _stack_per_device(config: StepConfig, tree: Any) -> Any:
+    return jax.shard_map(
+        add_device_axis,
+        mesh=config.mesh,
+        in_specs=jax.P(),
+        out_specs=jax.P(config.axis_name),
+        axis_names={config.axis_name},
+        check_vma=False,
+    )(tree)
+
+
+_stack_per_device_jit = jax.jit(_stack_per_device, static_argnums=0)
+
+
+def stack_per_device(config: StepConfig, tree: Any) -> Any:
+    """One copy of a replicated pytree per device, stacked on the data axis."""
+    return _stack_per_device_jit(config, tree)
+
+
+def unstacked(tree: Any) -> Any:
+    """Shapes of one device's copy of a pytree stacked along a leading device axis."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), tree)
+
+
+@functools.lru_cache(maxsize=64)
+def hook_is_stateful(config: StepConfig, buckets: BucketPlan) -> bool:
+    """Whether the comm hook keeps state between steps (its ``init`` returns arrays)."""
+    params = jax.tree.unflatten(
+        buckets.treedef,
+        [
+            jax.ShapeDtypeStruct(s, d)
+            for s, d in zip(buckets.leaf_shapes, buckets.leaf_dtypes, strict=True)
+        ],
+    )
+    return has_leaves(jax.eval_shape(lambda p: config.comm_hook.init(p, buckets), params))
+
+
+def _stacked(config: StepConfig, state: Any) -> bool:
+    return config.per_device_state and jnp.ndim(state.step) > 0
+
+
+def _wants_local_stats(config: StepConfig, state: Any) -> bool:
+    stats = getattr(state, "batch_stats", None)
+    local = config.buffers == "local" and stats is not None and not config.per_device_state
+    return local and not isinstance(stats, PerDevice)
+
+
+def linen_state_ready(config: StepConfig, state: Any, buckets: BucketPlan) -> bool:
+    """Whether a Linen state that went through a step needs no more preparing."""
+    if config.per_device_state and not _stacked(config, state):
+        return False
+    if _wants_local_stats(config, state):
+        return False
+    return not hook_is_stateful(config, buckets) or getattr(state, "comm_state", None) is not None
+
+
+def prepare_linen_state(config: StepConfig, state: Any, buckets: BucketPlan) -> Any:
+    """A Linen ``TrainState`` ready for the step: what is missing is added, once.
+
+    The replicated part goes on the mesh (the step's outputs live there; inputs
+    placed elsewhere would compile the step a second time). With a hook whose
+    replicas diverge every leaf gains a leading device axis; with
+    ``buffers='local'`` ``batch_stats`` is kept once per device
+    (:class:`PerDevice`); a stateful hook's ``comm_state`` is filled.
+
+    Raises:
+      TypeError: the hook keeps state and ``state`` has no ``comm_state`` field.
+    """
+    if not _stacked(config, state):
+        core, side = split_side(state)
+        home = NamedSharding(config.mesh, P())
+        if not all(getattr(x, "sharding", None) == home for x in jax.tree.leaves(core)):
+            core = replicate(core, config.mesh)
+        if config.per_device_state:
+            core = stack_per_device(config, core)
+        state = join_side(core, side)
+    if _wants_local_stats(config, state):
+        state = state.replace(batch_stats=PerDevice(stack_per_device(config, state.batch_stats)))
+    if hook_is_stateful(config, buckets) and getattr(state, "comm_state", None) is None:
+        if not hasattr(state, "comm_state"):
+            raise TypeError(
+                f"comm hook {config.comm_hook.name!r} keeps state between steps; use "
+                "fdp.TrainState (flax's TrainState with a comm_state field) instead of "
+                f"{type(state).__module__}.{type(state).__qualname__}."
+            )
+        comm = init_hook_state(config, buckets, state.params, stacked=config.per_device_state)
+        state = state.replace(comm_state=comm)
+    return state

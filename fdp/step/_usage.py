@@ -26,6 +26,8 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
+from fdp import _compat as compat
+
 UNUSED, CONDITIONAL, USED = 0, 1, 2
 
 
@@ -62,17 +64,6 @@ class ParamUsage:
         return tuple(self.key_paths[i] for i in self.conditional)
 
 
-def _sub_jaxpr(eqn: Any) -> Any:
-    """The one sub-program of a call-like equation whose inputs are the equation's."""
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        sub = eqn.params.get(name)
-        if isinstance(sub, jex.ClosedJaxpr):
-            sub = sub.jaxpr
-        if isinstance(sub, jex.Jaxpr) and len(sub.invars) == len(eqn.invars):
-            return sub
-    return None
-
-
 def _levels(jaxpr: Any, out_levels: Sequence[int]) -> list[int]:
     """Liveness level of every input of ``jaxpr`` given the levels of its outputs."""
     level: dict[Any, int] = {}
@@ -89,8 +80,8 @@ def _levels(jaxpr: Any, out_levels: Sequence[int]) -> list[int]:
             continue
         if eqn.primitive.name == "cond":
             branch_levels = [
-                _levels(b.jaxpr, [level.get(v, UNUSED) for v in eqn.outvars])
-                for b in eqn.params["branches"]
+                _levels(b, [level.get(v, UNUSED) for v in eqn.outvars])
+                for b in compat.cond_branches(eqn)
             ]
             bump(eqn.invars[0], out)  # the branch index
             for pos, var in enumerate(eqn.invars[1:]):
@@ -100,7 +91,7 @@ def _levels(jaxpr: Any, out_levels: Sequence[int]) -> list[int]:
                 elif max(per_branch) > UNUSED:
                     bump(var, min(out, CONDITIONAL))
             continue
-        sub = _sub_jaxpr(eqn)
+        sub = compat.call_body(eqn)
         if sub is not None:
             sub_out = [min(out, level.get(v, UNUSED)) for v in eqn.outvars]
             for var, lv in zip(eqn.invars, _levels(sub, sub_out), strict=True):

@@ -74,7 +74,7 @@ def test_the_fingerprint_holds_settings_plan_leaves_and_program():
     batch = fdp.shard_batch(make_data(0, 16))
     lowered = step.lower(state, batch)
     fp = _fingerprint.step_fingerprint(
-        step, "fdp.train_step", {"state": state, "batch": batch}, lowered
+        "fdp.train_step", step.config, step.step_plan, {"state": state, "batch": batch}, lowered
     )
     assert fp["bucket_cap_mb"] == 25.0 and fp["comm_hook"] == "bf16_compress"
     assert fp["mesh"] == "{'data': 8}" and fp["buckets"] == 1

@@ -63,7 +63,7 @@ def test_off_routes_only_the_first_call_through_the_observer(monkeypatch):
     calls = []
     run = _observer.Observer.run
     monkeypatch.setattr(
-        _observer.Observer, "run", lambda self, fn, args: (calls.append(1), run(self, fn, args))[1]
+        _observer.Observer, "run", lambda self, *args: (calls.append(1), run(self, *args))[1]
     )
     for level, expected in (("OFF", 1), ("INFO", 5)):
         fdp.set_debug_level(level)

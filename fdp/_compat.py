@@ -1,0 +1,212 @@
+"""Every read of JAX's and XLA's internals, in one place, failing closed.
+
+fdp relies on a few things JAX does not promise to keep: where a value's type
+records the mesh axes it varies over, the size of a jitted function's cache, the
+name of XLA:CPU's all-reduce combiner pass, the parameter names of a few jaxpr
+primitives, and the coordination-service client. Each is read here and nowhere
+else, and each read checks what it finds: a JAX release that renames or moves one
+of them makes fdp raise :class:`JaxCompatibilityError`, naming the JAX version,
+instead of silently doing the wrong thing (for the varying axes, silently
+reducing gradients twice: N-fold gradients).
+
+The range of JAX versions fdp is tested with is ``pyproject.toml``'s (CI runs the
+oldest and the newest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jaxlib
+
+
+class JaxCompatibilityError(RuntimeError):
+    """A JAX internal fdp reads is not where, or not what, this fdp version expects."""
+
+
+def _broken(what: str, detail: str) -> JaxCompatibilityError:
+    return JaxCompatibilityError(
+        f"fdp cannot read {what} in jax {jax.__version__} (jaxlib {jaxlib.__version__}): "
+        f"{detail}. This fdp release "
+        "is tested with the jax versions its pyproject.toml allows; install one of those, or "
+        "report this with your jax and jaxlib versions."
+    )
+
+
+# -- the device-varying axes of a value (shard_map's replication typing) -----------------
+
+
+def _raw_varying_axes(x: Any) -> frozenset[str] | None:
+    """The varying axes recorded in ``x``'s type, or None where the field is absent."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10.2
+    if manual is not None and hasattr(manual, "varying"):
+        return frozenset(manual.varying)
+    vma = getattr(aval, "vma", None)  # jax 0.10.0 and 0.10.1
+    if vma is not None:
+        return frozenset(vma)
+    return None
+
+
+def _varying_axes_are_readable() -> bool:
+    """Whether ``axis_index`` inside a replication-checked shard_map reads as varying.
+
+    ``axis_index`` varies over its axis by definition; if fdp cannot see that, it
+    cannot see anything (a renamed field), and must not guess. Run once, at
+    import: it traces (2 ms on CPU) on an abstract mesh, so it starts no backend,
+    and it must not run inside another shard_map's trace.
+    """
+    mesh = jax.sharding.AbstractMesh((1,), ("fdp_probe",))
+    seen: list[frozenset[str] | None] = []
+
+    def probe(x: jax.Array) -> jax.Array:
+        seen.append(_raw_varying_axes(jax.lax.axis_index("fdp_probe")))
+        return x
+
+    spec = jax.sharding.PartitionSpec()
+    mapped = jax.shard_map(probe, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)
+    try:
+        jax.make_jaxpr(mapped)(jax.ShapeDtypeStruct((), "float32"))
+    except Exception:  # an API change breaks the probe itself: also unreadable
+        return False
+    return bool(seen) and seen[0] is not None and "fdp_probe" in seen[0]
+
+
+_VARYING_AXES_READABLE = _varying_axes_are_readable()
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes along which ``x`` varies, as recorded in its type.
+
+    Raises:
+      JaxCompatibilityError: this JAX records them somewhere fdp does not read.
+    """
+    if not _VARYING_AXES_READABLE:
+        raise _broken(
+            "the mesh axes a value varies over",
+            "neither aval.manual_axis_type.varying nor aval.vma shows that axis_index varies "
+            "over its axis inside jax.shard_map(check_vma=True); fdp uses them to make "
+            "gradients per-device before reducing them, and reducing without them could "
+            "reduce twice",
+        )
+    return _raw_varying_axes(x) or frozenset()
+
+
+# -- a jitted function's cache size (recompilation detection in runtime stats) -----------
+
+
+def jit_cache_size(jitted: Callable[..., Any]) -> int:
+    """How many compiled entries a ``jax.jit`` function holds (grows when a call compiles).
+
+    Raises:
+      JaxCompatibilityError: the jitted function has no ``_cache_size``.
+    """
+    size = getattr(jitted, "_cache_size", None)
+    if not callable(size):
+        raise _broken(
+            "the size of a jitted function's cache",
+            f"{type(jitted).__name__} has no _cache_size(); fdp's runtime statistics use it "
+            "to leave steps that compiled out of the averages",
+        )
+    return int(size())
+
+
+# -- XLA pass names -------------------------------------------------------------------------
+
+CPU_ALL_REDUCE_COMBINER = "cpu-all-reduce-combiner"
+"""XLA:CPU's pass that merges every all-reduce of a program into one.
+
+fdp's flat layout turns it off to keep DDP's buckets apart. An unknown pass name
+in ``xla_disable_hlo_passes`` is ignored by XLA rather than rejected, so its effect
+is pinned by a test that counts the all-reduces of a compiled flat-layout step.
+"""
+
+
+def keep_all_reduces_apart() -> dict[str, str]:
+    """XLA:CPU compiler options that keep each all-reduce of a program on its own."""
+    return {"xla_disable_hlo_passes": CPU_ALL_REDUCE_COMBINER}
+
+
+# -- jaxpr equations (parameter-usage analysis) ---------------------------------------------
+
+
+def cond_branches(eqn: Any) -> list[Any]:
+    """The branch jaxprs of a ``cond`` equation.
+
+    Raises:
+      JaxCompatibilityError: the equation has no ``branches`` parameter.
+    """
+    branches = eqn.params.get("branches")
+    if not isinstance(branches, tuple | list) or not all(
+        isinstance(b, jex.ClosedJaxpr) for b in branches
+    ):
+        raise _broken(
+            "the branches of a lax.cond in a jaxpr",
+            f"its 'cond' equation has params {sorted(eqn.params)} (expected 'branches', a "
+            "tuple of ClosedJaxpr); fdp's find_unused_parameters reads them",
+        )
+    return [b.jaxpr for b in branches]
+
+
+def call_body(eqn: Any) -> Any:
+    """The one sub-jaxpr of a call-like equation whose inputs are the equation's, or None.
+
+    Loops (``while``, ``scan``) carry sub-jaxprs whose inputs are not the
+    equation's; they return None, and the caller treats every input as reaching
+    every output (a safe over-approximation).
+    """
+    for sub in jex.jaxprs_in_params(eqn.params):
+        sub = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
+        if isinstance(sub, jex.Jaxpr) and len(sub.invars) == len(eqn.invars):
+            return sub
+    return None
+
+
+# -- the coordination-service client (host collectives and the store) ---------------------
+
+# The client methods fdp calls (names and signatures read from jaxlib 0.10.2).
+_CLIENT_METHODS = (
+    "key_value_set_bytes",
+    "key_value_try_get_bytes",
+    "blocking_key_value_get_bytes",
+    "key_value_dir_get_bytes",
+    "key_value_delete",
+    "key_value_increment",
+    "wait_at_barrier",
+)
+
+
+def coordination_client() -> Any | None:
+    """The coordination-service client of this process, or ``None`` before ``fdp.init``.
+
+    ``jax.distributed.initialize`` starts a coordination service (on process 0)
+    and connects a client to it from every process. The client carries a
+    key-value store and named barriers with timeouts, what host collectives
+    need; JAX and Orbax use it the same way
+    (``multihost_utils.live_devices``, ``orbax.checkpoint.multihost``). JAX
+    exposes no public handle on it, so it is reached through ``jax._src`` here,
+    and nowhere else.
+
+    Returns:
+      The ``jaxlib`` ``DistributedRuntimeClient``, or ``None`` when
+      ``jax.distributed`` is not initialised (a single process).
+
+    Raises:
+      JaxCompatibilityError: ``jax.distributed`` is initialised but the client
+        is not where, or not what, this version of fdp expects.
+    """
+    if not jax.distributed.is_initialized():
+        return None
+    from jax._src import distributed  # no public API exists (see above)
+
+    client = getattr(getattr(distributed, "global_state", None), "client", None)
+    missing = [m for m in _CLIENT_METHODS if not hasattr(client, m)]
+    if client is None or missing:
+        raise _broken(
+            "the coordination-service client",
+            f"missing {missing or 'the client itself'}; fdp's host collectives and Store use it",
+        )
+    return client

@@ -1,0 +1,158 @@
+"""The step's core, shared by the Linen and NNX steps: a pure function of arrays.
+
+Per device, inside the step's ``shard_map``:
+
+    params -> per-device -> local gradients (micro-batches) -> bucketed reduction
+    with the comm hook -> "untouched" flags of unused parameters -> buffers made
+    one again -> metrics reduced over the data axis
+
+Nothing here knows how the update is applied; the front ends differ only there
+(``TrainState.apply_gradients`` in Linen, ``nnx.Optimizer.update`` in NNX).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
+from fdp.hooks import reduce_with_hook
+from fdp.step._config import StepConfig
+from fdp.step._local_grads import Objective, local_gradients
+from fdp.step._plan import StepPlan
+from fdp.step._usage import untouched_flags
+
+
+class Reduced(NamedTuple):
+    """What the core computed on one device.
+
+    Attributes:
+      grads: the reduced gradients (like the parameters).
+      buffers: the state carried through the micro-batches (batch statistics),
+        made one again as ``config.buffers`` says; None without buffers.
+      hook_state: the comm hook's new state on this device.
+      keep: per parameter leaf, whether the update must leave it (and its
+        optimizer state) untouched: ``True``, ``False`` or a traced bool; None
+        when no leaf is kept.
+      metrics: ``{"loss": ..., "aux": ...}`` over the whole batch.
+    """
+
+    grads: Any
+    buffers: Any
+    hook_state: Any
+    keep: tuple[Any, ...] | None
+    metrics: dict[str, Any]
+
+
+def device_rng(rng: jax.Array | None, axis_name: str) -> jax.Array | None:
+    """A different key per device, as each DDP rank draws its own dropout masks."""
+    if rng is None:
+        return None
+    return jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+
+
+def sync_buffers(buffers: Any, mode: str, axis_name: str) -> Any:
+    """Buffers changed per device by the forward pass, made one again.
+
+    ``'broadcast'``: device 0's values (DDP's ``broadcast_buffers=True``).
+    ``'mean'``: floating buffers averaged over the data axis (integer ones from
+    device 0). ``'local'``: left as they are, one per device.
+    """
+    if mode == "local" or axis_size(axis_name) == 1:
+        return buffers
+
+    def leaf(x: Any) -> Any:
+        # Only values known to be replicated are left alone: without replication
+        # tracking (check_vma=False) nothing is known, and everything is synced.
+        if is_varying(x, axis_name) is False:
+            return x
+        if mode == "mean" and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return jax.lax.pmean(x, axis_name)
+        return broadcast(x, 0, axis_name=axis_name)
+
+    return jax.tree.map(leaf, buffers)
+
+
+def reduce_metrics(loss: jax.Array, aux: Any, axis_name: str) -> dict[str, Any]:
+    """The loss (already reduced) and aux averaged over the data axis.
+
+    Integer and bool aux leaves are summed: counts add up.
+    """
+
+    def reduce_leaf(x: Any) -> jax.Array:
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return mean_over(x, axis_name)
+        return sum_over(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
+
+    metrics = {"loss": loss}
+    if aux is not None:
+        metrics["aux"] = jax.tree.map(reduce_leaf, aux)
+    return metrics
+
+
+def reduce_step(
+    objective: Objective,
+    params: Any,
+    buffers: Any,
+    hook_state: Any,
+    batch: Any,
+    mask: jax.Array | None,
+    rng: jax.Array | None,
+    *,
+    config: StepConfig,
+    plan: StepPlan,
+) -> Reduced:
+    """One device's share of a step, up to (not including) the update.
+
+    Args:
+      objective: ``objective(params, micro_batch, buffers, key) -> (loss, aux,
+        new_buffers)`` for one micro-batch.
+      params: this device's parameters (replicated or per-device).
+      buffers: state threaded through the micro-batches, or None.
+      hook_state: the comm hook's state on this device (``()`` if stateless).
+      batch: this device's share of the batch.
+      mask: its per-example weights (``per_example=True``), else None.
+      rng: the step's key (folded per device here), or None.
+      config: the bound step config.
+      plan: the step plan for these shapes.
+
+    Returns:
+      A :class:`Reduced`.
+    """
+    axis = config.axis_name
+    tracked = config.find_unused_parameters
+    out = local_gradients(
+        objective,
+        vary(params, axis),
+        batch,
+        buffers,
+        axis_name=axis,
+        accumulate_steps=config.accumulate_steps,
+        accum_dtype=config.accum_dtype,
+        per_example=config.per_example,
+        mask=mask,
+        rng=device_rng(rng, axis),
+        track=plan.usage.conditional if tracked else (),
+    )
+    grads, hook_state = reduce_with_hook(
+        config.comm_hook,
+        hook_state,
+        out.grads,
+        axis_name=axis,
+        plan=plan.buckets,
+        layout=config.layout,
+        params=params,
+    )
+    keep = None
+    if tracked and (plan.usage.unused or plan.usage.conditional):
+        keep = tuple(untouched_flags(plan.usage, out.used, axis))
+    return Reduced(
+        grads,
+        sync_buffers(out.carry, config.buffers, axis),
+        hook_state,
+        keep,
+        reduce_metrics(out.global_loss(axis), out.aux, axis),
+    )

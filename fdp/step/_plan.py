@@ -1,0 +1,101 @@
+"""``StepPlan``: everything static a step compiles for, computed once per input shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from fdp.bucketing import BucketPlan, plan_for
+from fdp.step._config import StepConfig
+from fdp.step._usage import ParamUsage, analyse_usage, warn_if_unused
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+    """The static part of a step for one shape of its inputs.
+
+    A plan is a hashable value: the jitted step takes it as a static argument,
+    and the INFO log, the DETAIL check and :func:`fdp.describe` read it, never
+    the step object. Build it with :func:`prepare`.
+
+    Attributes:
+      buckets: the bucket plan over one device's parameters (with
+        ``find_unused_parameters``, the unused ones are in no bucket).
+      usage: how each parameter leaf takes part in the loss (from its jaxpr).
+      rows: the global batch size the step runs on (padding included).
+    """
+
+    buckets: BucketPlan
+    usage: ParamUsage
+    rows: int
+
+    def _key(self) -> tuple:
+        return (self.buckets, self.usage, self.rows)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, StepPlan) and self._key() == other._key())
+
+    def __hash__(self) -> int:
+        # jit hashes its static arguments on every call: compute it once.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash(self._key())
+            object.__setattr__(self, "_hash", value)
+            return value
+
+
+def _abstract(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), x.dtype) for x in leaves)
+
+
+def _structs(key: tuple[Any, tuple]) -> Any:
+    treedef, leaves = key
+    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in leaves])
+
+
+def prepare(
+    config: StepConfig, loss: Callable[..., Any], rows: int, params: Any, *args: Any
+) -> StepPlan:
+    """Plans a step: the loss's parameter usage and the buckets, for these input shapes.
+
+    Memoised on the config, the loss and the shapes and dtypes of its inputs, so
+    the loss is traced for its usage once per shape, not at every trace of the
+    step. Only shapes and dtypes are read.
+
+    Args:
+      config: a bound :class:`StepConfig`.
+      loss: ``loss(params, *args)`` returning the loss or a tuple starting with it
+        (hashable: a function, or a frozen dataclass holding one).
+      rows: the global batch size the step runs on.
+      params: one device's parameters (arrays or ``jax.ShapeDtypeStruct``).
+      *args: the loss's other inputs on one device (a micro-batch, buffers, a key).
+
+    Returns:
+      The :class:`StepPlan`. Unused parameters are warned about the first time.
+    """
+    return _prepare(config, loss, rows, _abstract(params), _abstract(args))
+
+
+@functools.lru_cache(maxsize=128)
+def _prepare(
+    config: StepConfig, loss: Callable[..., Any], rows: int, params: tuple, args: tuple
+) -> StepPlan:
+    param_structs = _structs(params)
+    usage = analyse_usage(
+        loss,
+        param_structs,
+        *_structs(args),
+        axis_env=[(config.axis_name, config.num_replicas)],
+    )
+    # Points at the user's call of the step: prepare <- the step's __call__ <- user.
+    warn_if_unused(usage, config.find_unused_parameters, stacklevel=4)
+    exclude = usage.unused if config.find_unused_parameters else ()
+    buckets = plan_for(param_structs, config.bucket_cap_mb, config.first_bucket_cap_mb, exclude)
+    return StepPlan(buckets, usage, rows)

@@ -1,0 +1,122 @@
+"""What every step front end shares: jit, observability, and the plan of the last call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from fdp.bucketing import BucketPlan
+from fdp.observe._observer import Observer, logging_data
+from fdp.observe._stats import StatsSchedule
+from fdp.step._config import StepConfig
+from fdp.step._plan import StepPlan
+from fdp.step._usage import ParamUsage
+
+
+class StepRunner:
+    """The base of :class:`fdp.DataParallelStep` and :class:`fdp.NNXDataParallelStep`.
+
+    A front end gives it the function to jit, ``global_step(plan, *args)``, and
+    calls :meth:`_run` with a :class:`StepPlan` and the arguments. The runner
+    binds the config (at the first call: building a step starts no backend),
+    jits with the plan static, routes calls through the observer while it
+    watches, and remembers the plan of the last call for ``plan``, ``usage``,
+    ``logging_data`` and ``describe``.
+
+    Args:
+      kind: the step's name in logs, e.g. ``"fdp.train_step"``.
+      config: the step's settings.
+      global_step: the function to jit; its first argument is the plan.
+      donate_argnums: positions among ``args`` (after the plan) to donate.
+      static_argnums: positions among ``args`` that are static (hashable).
+      arg_names: names of ``args``, for the DETAIL check.
+      batch_arg: position of the global batch among ``args``.
+      stats: sample runtime statistics at any debug level.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        config: StepConfig,
+        global_step: Callable[..., Any],
+        *,
+        donate_argnums: tuple[int, ...],
+        static_argnums: tuple[int, ...] = (),
+        arg_names: tuple[str, ...],
+        batch_arg: int,
+        stats: bool | StatsSchedule = False,
+    ):
+        self._kind = kind
+        self._config = config
+        self._global_step = global_step
+        self._donate_argnums = donate_argnums
+        self._static_argnums = static_argnums
+        self._jitted: Any = None
+        self._last_plan: StepPlan | None = None
+        self._observer = Observer(kind, arg_names, batch_arg, stats)
+
+    @property
+    def config(self) -> StepConfig:
+        """The step's settings, bound to its mesh (the first access starts JAX's backend)."""
+        if not self._config.bound:
+            self._config = self._config.bind()
+        return self._config
+
+    @property
+    def plan(self) -> BucketPlan | None:
+        """The bucket plan of the last call (None before the first call or ``lower``)."""
+        return None if self._last_plan is None else self._last_plan.buckets
+
+    @property
+    def usage(self) -> ParamUsage | None:
+        """How each parameter took part in the loss at the last call (None before it)."""
+        return None if self._last_plan is None else self._last_plan.usage
+
+    @property
+    def step_plan(self) -> StepPlan | None:
+        """The whole :class:`fdp.step.StepPlan` of the last call."""
+        return self._last_plan
+
+    def _jit(self) -> Any:
+        if self._jitted is None:
+            self._jitted = jax.jit(
+                self._global_step,
+                static_argnums=(0, *(i + 1 for i in self._static_argnums)),
+                donate_argnums=tuple(i + 1 for i in self._donate_argnums),
+                compiler_options=self.config.compiler_options,
+            )
+        return self._jitted
+
+    def _run(self, plan: StepPlan, *args: Any) -> Any:
+        self._last_plan = plan
+        if self._observer.on:
+            return self._observer.run(self._jit(), self.config, plan, args)
+        return self._jit()(plan, *args)
+
+    def _lower(self, plan: StepPlan, *args: Any) -> Any:
+        self._last_plan = plan
+        return self._jit().lower(plan, *args)
+
+    def stats(self) -> dict[str, Any]:
+        """Sampled runtime statistics (step time, examples/s, bytes all-reduced per step).
+
+        Sampled at ``FDP_DEBUG=INFO`` or above, or with ``stats=`` when the step
+        is built; otherwise ``{"enabled": False}``. See docs/observability.md for
+        the fields.
+        """
+        return self._observer.stats()
+
+    def logging_data(self) -> dict[str, Any]:
+        """The step's settings as logged at ``FDP_DEBUG=INFO`` (DDP's logging data).
+
+        Raises:
+          RuntimeError: the step has not been called (or lowered) yet.
+        """
+        if self._last_plan is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.logging_data() needs the traced step: call the step "
+                "(or its .lower(...)) once first."
+            )
+        return logging_data(self._kind, self.config, self._last_plan)
