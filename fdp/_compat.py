@@ -15,21 +15,28 @@ oldest and the newest).
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.extend.core as jex
-import jaxlib
 
 
 class JaxCompatibilityError(RuntimeError):
     """A JAX internal fdp reads is not where, or not what, this fdp version expects."""
 
 
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _broken(what: str, detail: str) -> JaxCompatibilityError:
     return JaxCompatibilityError(
-        f"fdp cannot read {what} in jax {jax.__version__} (jaxlib {jaxlib.__version__}): "
+        f"fdp cannot read {what} in jax {jax.__version__} (jaxlib {_jaxlib_version()}): "
         f"{detail}. This fdp release "
         "is tested with the jax versions its pyproject.toml allows; install one of those, or "
         "report this with your jax and jaxlib versions."
@@ -111,7 +118,7 @@ def jit_cache_size(jitted: Callable[..., Any]) -> int:
             f"{type(jitted).__name__} has no _cache_size(); fdp's runtime statistics use it "
             "to leave steps that compiled out of the averages",
         )
-    return int(size())
+    return int(cast(Callable[[], int], size)())
 
 
 # -- XLA pass names -------------------------------------------------------------------------
@@ -123,6 +130,11 @@ fdp's flat layout turns it off to keep DDP's buckets apart. An unknown pass name
 in ``xla_disable_hlo_passes`` is ignored by XLA rather than rejected, so its effect
 is pinned by a test that counts the all-reduces of a compiled flat-layout step.
 """
+
+
+def config_value(name: str) -> Any:
+    """The current value of the JAX option ``name`` (``jax_cpu_collectives_implementation``)."""
+    return jax.config.values[name]
 
 
 def keep_all_reduces_apart() -> dict[str, str]:

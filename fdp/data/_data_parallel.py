@@ -50,7 +50,7 @@ def data_parallel(
 
     @jax.jit
     def apply(params: Any, batch: Any) -> Any:
-        size = leading_size(batch)
+        size = leading_size(batch) or 0
         padded = pad_rows(batch, size + (-size % n))
         return jax.tree.map(lambda y: y[:size], mapped(params, padded))
 

@@ -19,7 +19,7 @@ DATA_AXIS = "data"
 
 
 def data_mesh(
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[Any] | None = None,
     *,
     axis_name: str = DATA_AXIS,
     axis_type: AxisType = AxisType.Auto,

@@ -85,6 +85,11 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     return math.prod(shape[:-1]), shape[-1]
 
 
+def _as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The matrix of a gradient that :func:`compressed_leaves` chose (at least 2-D)."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
 def compressed_leaves(bucket: Bucket, cfg: PowerSGDConfig) -> tuple[int, ...]:
     """Positions (within the bucket) of the gradients PowerSGD compresses."""
     out = []
@@ -211,7 +216,7 @@ def powersgd(
         for bucket in plan.buckets:
             bucket_qs = []
             for pos in compressed_leaves(bucket, cfg):
-                n, m = matrix_shape(bucket.shapes[pos])
+                n, m = _as_matrix(bucket.shapes[pos])
                 bucket_qs.append(
                     jnp.zeros((m, min(n, m, cfg.matrix_approximation_rank)), bucket.dtype)
                 )
@@ -223,11 +228,8 @@ def powersgd(
 
     def compress(state: dict, bucket: GradBucket) -> tuple[list[jax.Array], dict]:
         n_dev, axis, b = bucket.num_replicas, bucket.axis_name, bucket.index
-        if cfg.use_error_feedback:
-            flat_in = bucket.buffer + state["error"][b]
-            grads = bucket.unpack(flat_in)
-        else:
-            grads = list(bucket.gradients)
+        flat_in = bucket.buffer + state["error"][b] if cfg.use_error_feedback else None
+        grads = list(bucket.gradients) if flat_in is None else bucket.unpack(flat_in)
         chosen = compressed_leaves(bucket.meta, cfg)
         plain = [i for i in range(len(grads)) if i not in chosen]
         out: list[Any] = [None] * len(grads)
@@ -236,7 +238,7 @@ def powersgd(
         for i, mean in zip(plain, plain_means, strict=True):
             out[i] = mean
 
-        matrices = [grads[i].reshape(matrix_shape(bucket.shapes[i])) for i in chosen]
+        matrices = [grads[i].reshape(_as_matrix(bucket.shapes[i])) for i in chosen]
         randomize = (not cfg.warm_start) or (state["iter"] == cfg.start_powersgd_iter)
         qs = []
         for k, (matrix, stored) in enumerate(zip(matrices, state["q"][b], strict=True)):
@@ -254,7 +256,7 @@ def powersgd(
         new = dict(state)
         if cfg.warm_start:
             new["q"] = (*state["q"][:b], tuple(qs), *state["q"][b + 1 :])
-        if cfg.use_error_feedback:
+        if flat_in is not None:
             new_error = flat_in - pack(bucket.meta, out)
             new["error"] = (*state["error"][:b], new_error, *state["error"][b + 1 :])
         return out, new

@@ -184,7 +184,9 @@ def launch(
       attempt failed (after printing the failure summary); 128 + the signal
       number when the agent was interrupted.
     """
-    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    out: IO[str] = stdout or sys.stdout
+    err: IO[str] = stderr or sys.stderr
+    stdout, stderr = out, err
     attempts = cfg.max_restarts + 1
     run_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"fdp-launch-{cfg.run_id}-")
     try:

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fdp.launch._config import LaunchConfig
 
@@ -48,7 +49,7 @@ def detect_gpus(environ: Mapping[str, str]) -> list[str]:
     return [str(i) for i in range(len(nodes))]
 
 
-def split_evenly(items: Sequence[str] | Sequence[int], parts: int) -> list[list]:
+def split_evenly(items: Sequence[Any], parts: int) -> list[list]:
     """``items`` in ``parts`` contiguous, nearly equal groups; round-robin if too few.
 
     Example:

@@ -13,10 +13,12 @@ import os
 import platform
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 
+from fdp._compat import config_value
 from fdp._version import __version__
 
 PACKAGES = (
@@ -56,7 +58,7 @@ _NAMES = (
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|_KEY$|APIKEY", re.I)
 
 
-def environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+def environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables that matter to a distributed JAX run, sorted by name.
 
     Example:
@@ -64,10 +66,10 @@ def environment(environ: dict[str, str] | None = None) -> dict[str, str]:
       ...              "RANK": "0", "FDP_TOKEN": "abc"})
       {'FDP_TOKEN': '<hidden>', 'RANK': '0', 'XLA_FLAGS': '--xla_dump_to=/tmp'}
     """
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     return {
-        name: "<hidden>" if _SECRET.search(name) else environ[name]
-        for name in sorted(environ)
+        name: "<hidden>" if _SECRET.search(name) else env[name]
+        for name in sorted(env)
         if name.startswith(_PREFIXES) or name in _NAMES
     }
 
@@ -129,7 +131,7 @@ def info() -> dict[str, Any]:
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "distributed_initialized": jax.distributed.is_initialized(),
-        "cpu_collectives": str(jax.config.jax_cpu_collectives_implementation),
+        "cpu_collectives": str(config_value("jax_cpu_collectives_implementation")),
     }
     if devices[0].platform == "gpu" or "cuda" in backend["platform_version"].lower():
         backend["nccl"] = _nccl_version() or "unknown (libnccl not loaded)"

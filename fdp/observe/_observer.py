@@ -67,9 +67,11 @@ class Observer:
         return self._sample(fn, plan, args)
 
     def _sample(self, fn: Any, plan: Any, args: tuple) -> Any:
-        out, sampled = self.runtime.run(fn, (plan, *args), args[self._batch_arg])
-        if sampled and self.level >= DebugLevel.INFO:
-            logger.info("%s: %s", self._kind, self.runtime.summary())
+        runtime, level = self.runtime, self.level
+        assert runtime is not None and level is not None  # set by the first call
+        out, sampled = runtime.run(fn, (plan, *args), args[self._batch_arg])
+        if sampled and level >= DebugLevel.INFO:
+            logger.info("%s: %s", self._kind, runtime.summary())
         return out
 
     def _first_call(self, fn: Any, config: Any, plan: Any, args: tuple) -> Any:
@@ -122,7 +124,7 @@ def logging_data(kind: str, config: Any, plan: Any) -> dict[str, Any]:
       plan: its :class:`fdp.step.StepPlan` (buckets, parameters, usage).
     """
     buckets, usage = plan.buckets, plan.usage
-    devices = list(config.mesh.devices.flat)
+    devices = list(config.bound_mesh.devices.flat)
     shapes, dtypes_ = buckets.leaf_shapes, buckets.leaf_dtypes
     leaf_bytes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes_, strict=True)]
     settings = config.describe()

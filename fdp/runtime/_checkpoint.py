@@ -137,7 +137,7 @@ class CheckpointManager:
                 data_position=ocp.args.JsonRestore(),
             ),
         )
-        return Restored(out.state, out.data_position, step)
+        return Restored(out["state"], out["data_position"], step)
 
     def latest_step(self) -> int | None:
         """The newest saved step, or ``None`` if there is none."""

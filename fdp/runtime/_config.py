@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 FDP_VARS = {
     "coordinator_address": "FDP_COORDINATOR_ADDRESS",
@@ -179,7 +179,7 @@ def resolve(
         "local_rank": local_rank,
         "local_world_size": local_world_size,
     }
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for field, arg in args.items():
         if field in fdp_found and field in torch_found:
@@ -237,7 +237,7 @@ def _source(args: Mapping[str, object], fdp_found: Mapping, torch_found: Mapping
     return "torchrun variables" if torch_found else "defaults"
 
 
-def _check_ranges(values: Mapping[str, object], origin: Mapping[str, str]) -> None:
+def _check_ranges(values: Mapping[str, Any], origin: Mapping[str, str]) -> None:
     n, pid = values.get("num_processes"), values.get("process_id")
     lrank, lsize = values.get("local_rank"), values.get("local_world_size")
     if isinstance(values.get("coordinator_address"), str):

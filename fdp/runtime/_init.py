@@ -13,6 +13,7 @@ from types import TracebackType
 
 import jax
 
+from fdp._compat import config_value
 from fdp.runtime import _config
 
 # What init learnt about this host, for local_rank() and local_world_size().
@@ -112,7 +113,7 @@ def init(
     _LOCAL.update(local_rank=settings.local_rank, local_world_size=settings.local_world_size)
     if not settings.multi_process:
         return
-    if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+    if config_value("jax_cpu_collectives_implementation") in (None, "none"):
         # Without it, CPU computations that span processes fail to compile.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + initialization_timeout
@@ -215,8 +216,9 @@ def process_count() -> int:
 
 
 def _local(name: str, variables: Sequence[str], default: int) -> int:
-    if _LOCAL.get(name) is not None:
-        return int(_LOCAL[name])
+    value = _LOCAL.get(name)
+    if value is not None:
+        return int(value)
     for var in variables:
         value = os.environ.get(var, "")
         if value.strip().isdigit():

@@ -27,7 +27,7 @@ def _encode(obj: Any) -> Any:
     for base in (dict, list, str, bytes, float, int):
         # Subclasses (OrderedDict, IntEnum, ...) travel as their base type.
         if isinstance(obj, base):
-            return base(obj)
+            return base(obj)  # pyright: ignore[reportCallIssue, reportArgumentType]
     if isinstance(obj, np.generic):
         return msgpack.ExtType(_NPSCALAR, _pack([obj.dtype.str, obj.tobytes()]))
     if isinstance(obj, np.ndarray) or (hasattr(obj, "__array__") and hasattr(obj, "dtype")):
@@ -57,7 +57,9 @@ def _decode(code: int, data: bytes) -> Any:
 def _pack(obj: Any) -> bytes:
     # strict_types sends tuples (and int/str subclasses) to _encode instead of
     # silently turning them into lists.
-    return msgpack.packb(obj, default=_encode, strict_types=True, use_bin_type=True)
+    packed = msgpack.packb(obj, default=_encode, strict_types=True, use_bin_type=True)
+    assert packed is not None  # packb returns bytes unless given a stream
+    return packed
 
 
 def _unpack(data: bytes) -> Any:

@@ -155,7 +155,12 @@ class GradAccumulator:
             scale = n / total if cfg.per_example else 1.0 / jnp.maximum(acc.weight, 1.0)
             grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), acc.grads, state.params)
             grads, _ = reduce_with_hook(
-                cfg.comm_hook, (), grads, axis_name=cfg.axis_name, plan=plan, layout=cfg.layout
+                cfg.comm_hook,
+                (),
+                grads,
+                axis_name=cfg.axis_name,
+                plan=plan,
+                layout=cfg.bound_layout,
             )
             # Mean losses: total counts micro-batches; per-example: real examples.
             loss = jax.lax.psum(acc.loss, cfg.axis_name) / total

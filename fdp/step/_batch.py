@@ -64,8 +64,9 @@ def local_batch_struct(batch: Any, rows: int, cfg: StepConfig) -> Any:
 
 
 def _place(tree: Any, cfg: StepConfig) -> Any:
-    sharding = NamedSharding(cfg.mesh, P(cfg.axis_name))
-    if cfg.mesh.axis_types[cfg.mesh.axis_names.index(cfg.axis_name)] == AxisType.Explicit:
+    mesh = cfg.bound_mesh
+    sharding = NamedSharding(mesh, P(cfg.axis_name))
+    if mesh.axis_types[mesh.axis_names.index(cfg.axis_name)] == AxisType.Explicit:
         return jax.reshard(tree, sharding)
     return jax.lax.with_sharding_constraint(tree, sharding)
 
@@ -79,6 +80,6 @@ def place_batch(batch: Any, mask: Any, rows: int, cfg: StepConfig) -> tuple[Any,
     """
     if not cfg.per_example:
         return _place(batch, cfg), None
-    size = leading_size(batch)
+    size = leading_size(batch) or 0
     mask = jnp.ones((size,), jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
     return _place(pad_rows(batch, rows), cfg), _place(jnp.pad(mask, (0, rows - size)), cfg)

@@ -15,6 +15,7 @@ from fdp import _compat
 from fdp.bucketing import cap_limits
 from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
 from fdp.hooks import CommHook, PeriodicModelAverager, resolve
+from fdp.hooks._contract import Layout
 
 StepLayout = Literal["auto", "leaves", "flat"]
 LAYOUTS = ("auto", "leaves", "flat")
@@ -133,9 +134,20 @@ class StepConfig:
         return self.mesh is not None and self.layout != "auto"
 
     def _need_bound(self, what: str) -> Mesh:
-        if not self.bound:
+        if self.mesh is None or self.layout == "auto":
             raise RuntimeError(f"StepConfig.{what} needs a bound config: call .bind() first.")
-        return self.mesh  # type: ignore[return-value]
+        return self.mesh
+
+    @property
+    def bound_mesh(self) -> Mesh:
+        """The mesh of a bound config."""
+        return self._need_bound("bound_mesh")
+
+    @property
+    def bound_layout(self) -> Layout:
+        """The layout of a bound config: ``'leaves'`` or ``'flat'``."""
+        self._need_bound("bound_layout")
+        return "flat" if self.layout == "flat" else "leaves"
 
     @property
     def num_replicas(self) -> int:

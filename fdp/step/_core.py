@@ -143,7 +143,7 @@ def reduce_step(
         out.grads,
         axis_name=axis,
         plan=plan.buckets,
-        layout=config.layout,
+        layout=config.bound_layout,
         params=params,
     )
     keep = None

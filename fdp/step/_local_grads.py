@@ -128,7 +128,7 @@ def local_gradients(
     if per_example:
         size = jax.tree.leaves(batch)[0].shape[0]
         local_mask = jnp.ones((size,), jnp.float32) if mask is None else mask
-        total = jnp.maximum(sum_over(jnp.sum(local_mask), axis_name), 1.0)
+        total: jax.Array | None = jnp.maximum(sum_over(jnp.sum(local_mask), axis_name), 1.0)
         micro_masks = local_mask.reshape(k, -1)
     else:
         micro_masks, total = jnp.zeros((k, 0)), None
@@ -141,7 +141,7 @@ def local_gradients(
 
         def weighted(p: Any) -> tuple[jax.Array, tuple]:
             loss, aux, new_carry = objective(p, micro_batch, carry, micro_rng)
-            if per_example:
+            if total is not None:  # per-example: weighed by the real examples
                 loss_sum = jnp.sum(micro_mask * loss)
                 return loss_sum * n / total, (loss_sum, aux, new_carry)
             return loss / k, (loss / k, aux, new_carry)

@@ -48,7 +48,8 @@ class _ModelLoss:
 
 def _split_model(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any, Any, Any]:
     """``(graphdef, params, rng keys, other state)`` of ``model``."""
-    return nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
+    graphdef, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngKey, ...)
+    return graphdef, params, keys, rest
 
 
 class NNXDataParallelStep(StepRunner):
@@ -101,7 +102,7 @@ class NNXDataParallelStep(StepRunner):
             # On the mesh before the first step: the step's outputs are, and inputs placed
             # otherwise would compile the step a second time on the next call. With
             # several processes this also hands everyone process 0's values.
-            nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.mesh))
+            nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.bound_mesh))
             self._placed = True
         if hasattr(optimizer, "fdp_comm_state"):
             return
@@ -110,7 +111,8 @@ class NNXDataParallelStep(StepRunner):
             buckets = self.plan or plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
         if hook_is_stateful(cfg, buckets):
             hook_state = init_hook_state(cfg, buckets, params, stacked=False)
-            optimizer.fdp_comm_state = CommState(hook_state)
+            # An attribute fdp adds to the optimizer (nnx tracks it as state).
+            optimizer.fdp_comm_state = CommState(hook_state)  # pyright: ignore[reportAttributeAccessIssue]
 
     def _global_step(
         self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any

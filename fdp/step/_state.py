@@ -97,7 +97,7 @@ def _init_hook_state(config: StepConfig, buckets: BucketPlan, params: Any, stack
     spec = jax.P(config.axis_name)
     mapped = jax.shard_map(
         local,
-        mesh=config.mesh,
+        mesh=config.bound_mesh,
         in_specs=spec if stacked else jax.P(),
         out_specs=spec,
         axis_names={config.axis_name},
@@ -124,7 +124,7 @@ def init_hook_state(config: StepConfig, buckets: BucketPlan, params: Any, *, sta
 def _stack_per_device(config: StepConfig, tree: Any) -> Any:
     return jax.shard_map(
         add_device_axis,
-        mesh=config.mesh,
+        mesh=config.bound_mesh,
         in_specs=jax.P(),
         out_specs=jax.P(config.axis_name),
         axis_names={config.axis_name},
@@ -191,9 +191,9 @@ def prepare_linen_state(config: StepConfig, state: Any, buckets: BucketPlan) -> 
     """
     if not _stacked(config, state):
         core, side = split_side(state)
-        home = NamedSharding(config.mesh, P())
+        home = NamedSharding(config.bound_mesh, P())
         if not all(getattr(x, "sharding", None) == home for x in jax.tree.leaves(core)):
-            core = replicate(core, config.mesh)
+            core = replicate(core, config.bound_mesh)
         if config.per_device_state:
             core = stack_per_device(config, core)
         state = join_side(core, side)
