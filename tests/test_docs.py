@@ -1,29 +1,226 @@
-"""Every ```python block in README.md and docs/ runs, so the docs cannot rot."""
+"""The docs' Python examples run, and print what the docs say they print.
 
+The rules, for README.md and docs/*.md:
+
+- Every ```python block runs. A page is *standalone*: each block runs on its own, in a
+  fresh namespace; unless the page says ``ONE_PROGRAM`` (below) before its first
+  example: then its blocks run in order, in one namespace.
+- A ```python block may be followed, after blank lines only, by an ```output block: what
+  the block prints to stdout, compared as doctest does, with ELLIPSIS and
+  NORMALIZE_WHITESPACE (``...`` stands for timings and other volatile parts).
+- A block that calls ``print(`` has an output block; a block without one prints
+  nothing; an output block follows a python block.
+- Examples run with ``jax_numpy_dtype_promotion="strict"``: they must not rely on
+  implicit promotion between arrays of different dtypes.
+- Simulated devices are set up in a python block, never only shown as text: a page whose
+  examples need several devices has DEVICE_LINE in its first python block. The test
+  process already has 8 (conftest.py), and setting the same number again is allowed.
+- Examples run in a fresh temporary directory, so files they write stay out of the repo.
+"""
+
+import contextlib
+import dataclasses
+import doctest
+import io
 import pathlib
 import re
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ONE_PROGRAM = "The examples on this page are one program: run them in order."
+DEVICE_LINE = 'jax.config.update("jax_num_cpu_devices", 8)'
+# Pages whose examples need several devices (what they print depends on the count).
+MULTI_DEVICE_PAGES = {
+    "bucketing.md",
+    "collectives.md",
+    "comm-hooks.md",
+    "getting-started.md",
+    "observability.md",
+    "training-semantics.md",
+}
+CHECK_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+_FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>`{3,})(?P<lang>[\w-]*)[^`]*$")
 
 
-def python_blocks(path):
-    return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)
+@dataclasses.dataclass(frozen=True)
+class Block:
+    lang: str
+    line: int  # 1-based line of the opening fence
+    end: int  # 1-based line of the closing fence
+    code: str
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_python_examples_run(page, capsys):
-    blocks = python_blocks(page)
-    namespace = {"__name__": f"doc_{page.stem}"}
+@dataclasses.dataclass(frozen=True)
+class Example:
+    page: pathlib.Path
+    code: Block
+    output: Block | None
+
+    @property
+    def where(self):
+        return f"{self.page.name}, python block at line {self.code.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    path: pathlib.Path
+    one_program: bool
+    examples: tuple[Example, ...]
+    problems: tuple[str, ...]
+
+
+def fenced_blocks(text):
+    """The fenced code blocks of a Markdown text, and the problems found reading them."""
+    lines = text.splitlines()
+    blocks, problems, i = [], [], 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, ticks = len(opening["indent"]), opening["ticks"]
+        closing = re.compile(rf"^ *`{{{len(ticks)},}}\s*$")
+        j = i + 1
+        while j < len(lines) and not closing.match(lines[j]):
+            j += 1
+        if j == len(lines):
+            problems.append(f"line {i + 1}: a ``` block that is never closed")
+        # A block indented in a list item: its lines lose up to the fence's indent.
+        body = [line[min(indent, len(line) - len(line.lstrip(" "))) :] for line in lines[i + 1 : j]]
+        blocks.append(Block(opening["lang"], i + 1, j + 1, "".join(f"{b}\n" for b in body)))
+        i = j + 1
+    return blocks, problems
+
+
+def read_page(path):
+    text = path.read_text()
+    lines = text.splitlines()
+    blocks, problems = fenced_blocks(text)
+    examples, previous = [], None
     for block in blocks:
-        exec(compile(block, str(page), "exec"), namespace)
+        if block.lang == "python":
+            examples.append(Example(path, block, None))
+        elif block.lang == "output":
+            between = lines[previous.end : block.line - 1] if previous else []
+            if previous is None or previous.lang != "python" or any(s.strip() for s in between):
+                problems.append(
+                    f"line {block.line}: an output block must follow a python block "
+                    "(blank lines only between them)"
+                )
+            else:
+                examples[-1] = dataclasses.replace(examples[-1], output=block)
+        previous = block
+    for ex in examples:
+        if ex.output is None and re.search(r"\bprint\(", ex.code.code):
+            problems.append(
+                f"line {ex.code.line}: the python block calls print( but no output block "
+                "follows it with what it prints"
+            )
+    for block in blocks:
+        if block.lang != "python" and "jax_num_cpu_devices" in block.code:
+            problems.append(
+                f"line {block.line}: simulated devices are set in a {block.lang or 'plain'} "
+                "block; set them in a python block, so that the test runs it"
+            )
+
+    prose_end = examples[0].code.line - 1 if examples else len(lines)
+    outside = " ".join(_prose(lines, blocks).split())
+    one_program = ONE_PROGRAM in " ".join(_prose(lines[:prose_end], blocks).split())
+    if ONE_PROGRAM in outside and not one_program:
+        problems.append(f"the sentence {ONE_PROGRAM!r} must come before the page's first example")
+    if path.name in MULTI_DEVICE_PAGES and not (examples and DEVICE_LINE in examples[0].code.code):
+        problems.append(
+            f"its examples need several devices: its first python block must run {DEVICE_LINE}"
+        )
+    return Page(path, one_program, tuple(examples), tuple(problems))
+
+
+def _prose(lines, blocks):
+    """The lines of `lines` outside fenced blocks (line numbers from 1, as in `blocks`)."""
+    inside = {n for b in blocks for n in range(b.line, b.end + 1)}
+    return "\n".join(line for n, line in enumerate(lines, 1) if n not in inside)
+
+
+def run_example(example, namespace):
+    """Run one example in `namespace`; fail if what it prints is not its output block."""
+    code = example.code
+    # Pad with newlines, so that tracebacks give the Markdown file's line numbers.
+    program = compile("\n" * code.line + code.code, str(example.page), "exec")
+    stdout = io.StringIO()
+    try:
+        with jax.numpy_dtype_promotion("strict"), contextlib.redirect_stdout(stdout):
+            exec(program, namespace)
+    except Exception as e:
+        e.add_note(f"(in {example.where}; it printed:\n{_indent(stdout.getvalue())})")
+        raise
+    got = stdout.getvalue()
+    if example.output is None:
+        if got:
+            pytest.fail(f"{example.where} printed, but has no output block:\n{got}", pytrace=False)
+        return
+    want = example.output.code
+    if not doctest.OutputChecker().check_output(want, got, CHECK_FLAGS):
+        pytest.fail(
+            f"{example.where}: what it printed differs from the output block at line "
+            f"{example.output.line}\nexpected:\n{_indent(want)}got:\n{_indent(got)}",
+            pytrace=False,
+        )
+
+
+def _indent(text):
+    return "".join(f"    {line}\n" for line in text.splitlines()) or "    (nothing)\n"
+
+
+def _namespace(path):
+    return {"__name__": f"doc_{path.stem.replace('-', '_')}"}
+
+
+@pytest.fixture
+def in_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+READ = [read_page(p) for p in PAGES]
+ONE_PROGRAM_PAGES = [p for p in READ if p.one_program and p.examples]
+STANDALONE = [ex for p in READ if not p.one_program for ex in p.examples]
+
+
+@pytest.mark.parametrize("page", READ, ids=[p.path.name for p in READ])
+def test_page_follows_the_rules(page):
+    if page.problems:
+        pytest.fail(f"{page.path.name}:\n  " + "\n  ".join(page.problems), pytrace=False)
+
+
+@pytest.mark.parametrize(
+    "example", STANDALONE, ids=[f"{ex.page.name}:{ex.code.line}" for ex in STANDALONE]
+)
+def test_standalone_example(example, in_tmp_path, fdp_debug):
+    run_example(example, _namespace(example.page))
+
+
+@pytest.mark.parametrize("page", ONE_PROGRAM_PAGES, ids=[p.path.name for p in ONE_PROGRAM_PAGES])
+def test_one_program_page(page, in_tmp_path, fdp_debug):
+    namespace = _namespace(page.path)
+    for example in page.examples:
+        run_example(example, namespace)
 
 
 def test_pages_with_examples_are_found():
-    with_code = {p.name for p in PAGES if python_blocks(p)}
-    assert {"README.md", "getting-started.md", "bucketing.md", "collectives.md"} <= with_code
+    with_code = {p.path.name for p in READ if p.examples}
+    assert {
+        "README.md",
+        "getting-started.md",
+        "bucketing.md",
+        "collectives.md",
+        "comm-hooks.md",
+        "multihost.md",
+        "observability.md",
+        "training-semantics.md",
+    } <= with_code
 
 
 def test_readme_quick_start_is_what_ci_runs():
@@ -32,3 +229,61 @@ def test_readme_quick_start_is_what_ci_runs():
     commands = [line for line in quick.splitlines() if line.strip()]
     assert len(commands) == 2
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+# The checks themselves, on made-up pages.
+
+
+def _page(tmp_path, text, name="page.md"):
+    path = tmp_path / name
+    path.write_text(text)
+    return read_page(path)
+
+
+PRINTS_3 = "```python\nx = 1 + 2\nprint(x)\n```\n"
+
+
+def test_a_wrong_value_fails(tmp_path):
+    page = _page(tmp_path, PRINTS_3 + "\n```output\n4\n```\n")
+    assert not page.problems
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)line 1.*expected:\n    4\ngot:\n    3"):
+        run_example(page.examples[0], {})
+
+
+def test_ellipsis_and_whitespace_are_loose(tmp_path):
+    code = "print('took', 0.123, 's;', [1, 2])\n"
+    page = _page(tmp_path, f"```python\n{code}```\n```output\ntook ... s; [1,\n 2]\n```\n")
+    run_example(page.examples[0], {})
+
+
+def test_print_without_output_block_and_stray_output_block(tmp_path):
+    page = _page(tmp_path, PRINTS_3 + "\nsome prose\n\n```output\n3\n```\n")
+    assert len(page.problems) == 2
+    assert "line 8: an output block must follow a python block" in page.problems[0]
+    assert "line 1: the python block calls print( but no output block" in page.problems[1]
+
+
+def test_printing_without_an_output_block_fails(tmp_path):
+    page = _page(tmp_path, "```python\nimport sys\nsys.stdout.write('3')\n```\n")
+    with pytest.raises(pytest.fail.Exception, match="has no output block"):
+        run_example(page.examples[0], {})
+
+
+def test_one_program_marker(tmp_path):
+    two = "```python\nx = 1\n```\n\n```python\nprint(x)\n```\n```output\n1\n```\n"
+    assert _page(tmp_path, f"# T\n\n{ONE_PROGRAM}\n\n{two}").one_program
+    assert not _page(tmp_path, two).one_program
+    late = _page(tmp_path, f"{two}\n{ONE_PROGRAM}\n")
+    assert not late.one_program and "must come before" in late.problems[0]
+
+
+def test_devices_set_in_a_text_block(tmp_path):
+    page = _page(tmp_path, f"```text\nimport jax\n{DEVICE_LINE}\n```\n")
+    assert "set them in a python block" in page.problems[0]
+
+
+def test_strict_dtype_promotion(tmp_path):
+    code = "import jax.numpy as jnp\njnp.ones(2, jnp.float32) + jnp.ones(2, jnp.int32)\n"
+    page = _page(tmp_path, f"```python\n{code}```\n")
+    with pytest.raises(jax.dtypes.TypePromotionError):
+        run_example(page.examples[0], {})
