@@ -10,8 +10,8 @@ The rules, for README.md and docs/*.md:
   NORMALIZE_WHITESPACE (``...`` stands for timings and other volatile parts).
 - A block that calls ``print(`` has an output block; a block without one prints
   nothing; an output block follows a python block.
-- Examples run with ``jax_numpy_dtype_promotion="strict"``: they must not rely on
-  implicit promotion between arrays of different dtypes.
+- Examples run with JAX's default (standard) dtype promotion, as a user runs them;
+  fdp's own code is checked under strict promotion in tests/test_strict_promotion.py.
 - Simulated devices are set up in a python block, never only shown as text: a page whose
   examples need several devices has DEVICE_LINE in its first python block. The test
   process already has 8 (conftest.py), and setting the same number again is allowed.
@@ -25,7 +25,6 @@ import io
 import pathlib
 import re
 
-import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -152,7 +151,7 @@ def run_example(example, namespace):
     program = compile("\n" * code.line + code.code, str(example.page), "exec")
     stdout = io.StringIO()
     try:
-        with jax.numpy_dtype_promotion("strict"), contextlib.redirect_stdout(stdout):
+        with contextlib.redirect_stdout(stdout):
             exec(program, namespace)
     except Exception as e:
         e.add_note(f"(in {example.where}; it printed:\n{_indent(stdout.getvalue())})")
@@ -282,8 +281,3 @@ def test_devices_set_in_a_text_block(tmp_path):
     assert "set them in a python block" in page.problems[0]
 
 
-def test_strict_dtype_promotion(tmp_path):
-    code = "import jax.numpy as jnp\njnp.ones(2, jnp.float32) + jnp.ones(2, jnp.int32)\n"
-    page = _page(tmp_path, f"```python\n{code}```\n")
-    with pytest.raises(jax.dtypes.TypePromotionError):
-        run_example(page.examples[0], {})
