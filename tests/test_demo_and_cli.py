@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from _procs import run as run_marked
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,6 +34,7 @@ def demo_accuracy(*args):
     return float(re.search(r"held-out accuracy: ([\d.]+) on 360 images", out.stdout)[1])
 
 
+@pytest.mark.slow
 def test_demo_and_compressed_hooks_reach_high_held_out_accuracy():
     # The Quick start demo as shipped (30 epochs), then with bf16 compression and
     # PowerSGD (rank 2, compressing from step 10): within 1 point of the default.

@@ -279,5 +279,3 @@ def test_one_program_marker(tmp_path):
 def test_devices_set_in_a_text_block(tmp_path):
     page = _page(tmp_path, f"```text\nimport jax\n{DEVICE_LINE}\n```\n")
     assert "set them in a python block" in page.problems[0]
-
-

@@ -28,6 +28,7 @@ def reference(init, batches):
     return state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_thirteen_examples_on_eight_devices(opt):
     init = make_state("mlp", opt)
@@ -58,6 +59,7 @@ def device_stream(data, start, length, size=2):
         yield {k: v[i : min(i + size, start + length)] for k, v in data.items()}
 
 
+@pytest.mark.slow
 def test_devices_that_run_out_early_take_part_with_zero_weight():
     lengths = [5, 3, 0, 8, 2, 6, 1, 4]
     starts = np.cumsum([0, *lengths[:-1]])

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from _models import cross_entropy, make_data, make_state
 from flax import nnx
 
@@ -32,6 +33,7 @@ def test_hook_state_is_per_device_and_survives_donated_steps():
         assert leaf.sharding.is_fully_replicated
 
 
+@pytest.mark.slow
 def test_hook_state_round_trips_through_an_orbax_checkpoint(tmp_path):
     state, step = powersgd_state()
     for t in range(3):
@@ -87,7 +89,5 @@ def test_nnx_keeps_hook_state_on_the_optimizer():
 
 
 def test_nnx_rejects_hooks_whose_replicas_diverge():
-    import pytest
-
     with pytest.raises(ValueError, match="lets replicas diverge.*Use fdp.train_step"):
         fdp.nnx_train_step(nnx_loss, comm_hook="noop")
