@@ -22,6 +22,7 @@ from fdp.step._runner import StepRunner
 from fdp.step._state import (
     PerDevice,
     add_device_axis,
+    hook_is_stateful,
     join_side,
     linen_state_ready,
     prepare_linen_state,
@@ -52,10 +53,16 @@ class DataParallelStep(StepRunner):
             stats=stats,
         )
         self.loss_fn = loss_fn
-        self._prepared = False  # the first call always prepares (places) the state
+        # Known once the first call prepared (placed) the state; until then, None.
+        self._stateful_hook: bool | None = None
 
     def _plan(self, state: Any, batch: Any, rng: Any, mask: Any) -> StepPlan:
         """The plan for these inputs (memoised per shape, computed outside the trace)."""
+        return self._plan_for(
+            (state, batch, rng, mask), lambda: self._compute_plan(state, batch, rng, mask)
+        )
+
+    def _compute_plan(self, state: Any, batch: Any, rng: Any, mask: Any) -> StepPlan:
         cfg = self.config
         rows = batch_rows(batch, mask, cfg)
         params, stats = state.params, getattr(state, "batch_stats", None)
@@ -146,9 +153,10 @@ class DataParallelStep(StepRunner):
         """Runs one step: ``(state, batch[, rng][, mask]) -> (state, metrics)``."""
         _check_state(state)
         plan = self._plan(state, batch, rng, mask)
-        if not self._prepared or not linen_state_ready(self.config, state, plan.buckets):
+        stateful = self._stateful_hook
+        if stateful is None or not linen_state_ready(self.config, state, stateful):
             state = prepare_linen_state(self.config, state, plan.buckets)
-            self._prepared = True
+            self._stateful_hook = hook_is_stateful(self.config, plan.buckets)
         return self._run(plan, state, batch, rng, mask)
 
     def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:

@@ -74,6 +74,7 @@ class NNXDataParallelStep(StepRunner):
         )
         self.loss_fn = loss_fn
         self._placed = False
+        self._stateful_hook: bool | None = None  # known after the first _init
 
     def _plan(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any) -> StepPlan:
         cfg = self.config
@@ -109,7 +110,8 @@ class NNXDataParallelStep(StepRunner):
         params = nnx.state(model, optimizer.wrt)
         if buckets is None:
             buckets = self.plan or plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-        if hook_is_stateful(cfg, buckets):
+        self._stateful_hook = hook_is_stateful(cfg, buckets)
+        if self._stateful_hook:
             hook_state = init_hook_state(cfg, buckets, params, stacked=False)
             # An attribute fdp adds to the optimizer (nnx tracks it as state).
             optimizer.fdp_comm_state = CommState(hook_state)  # pyright: ignore[reportAttributeAccessIssue]
@@ -165,10 +167,7 @@ class NNXDataParallelStep(StepRunner):
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
     ) -> dict[str, Any]:
         """Runs one step in place and returns the metrics."""
-        _check_optimizer(optimizer)
-        plan = self._plan(model, optimizer, batch, mask)
-        self._init(model, optimizer, plan.buckets)
-        graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
+        plan, graphdef, comm, state = self._prepare_call(model, optimizer, batch, mask)
         comm, state, metrics = self._run(plan, graphdef, comm, state, batch, mask)
         nnx.update((model, optimizer), comm, state)
         return metrics
@@ -177,11 +176,24 @@ class NNXDataParallelStep(StepRunner):
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
     ) -> Any:
         """The lowered step, without running it."""
-        _check_optimizer(optimizer)
-        plan = self._plan(model, optimizer, batch, mask)
-        self._init(model, optimizer, plan.buckets)
-        graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
+        plan, graphdef, comm, state = self._prepare_call(model, optimizer, batch, mask)
         return self._lower(plan, graphdef, comm, state, batch, mask)
+
+    def _prepare_call(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any
+    ) -> tuple[StepPlan, Any, Any, Any]:
+        """The plan and the split ``(graphdef, hook state, state)`` of one call."""
+        _check_optimizer(optimizer)
+        ready = self._placed and (
+            self._stateful_hook is False or hasattr(optimizer, "fdp_comm_state")
+        )
+        if not ready:
+            self._init(model, optimizer, self._plan(model, optimizer, batch, mask).buckets)
+        graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
+        plan = self._plan_for(
+            (graphdef, state, batch, mask), lambda: self._plan(model, optimizer, batch, mask)
+        )
+        return plan, graphdef, comm, state
 
 
 def _check_optimizer(optimizer: Any) -> None:

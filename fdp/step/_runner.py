@@ -55,6 +55,7 @@ class StepRunner:
         self._static_argnums = static_argnums
         self._jitted: Any = None
         self._last_plan: StepPlan | None = None
+        self._plans: dict[Any, StepPlan] = {}
         self._observer = Observer(kind, arg_names, batch_arg, stats)
 
     @property
@@ -78,6 +79,23 @@ class StepRunner:
     def step_plan(self) -> StepPlan | None:
         """The whole :class:`fdp.step.StepPlan` of the last call."""
         return self._last_plan
+
+    def _plan_for(self, args: tuple, compute: Callable[[], StepPlan]) -> StepPlan:
+        """The plan for a call with ``args``, computed once per their shapes and dtypes.
+
+        ``prepare`` is memoised too, but its key needs the loss's inputs, which an
+        NNX step gets only by splitting the model again; this key is one flatten of
+        the call's own arguments (``None`` leaves and static values included), so a
+        repeated call costs a lookup.
+        """
+        leaves, treedef = jax.tree.flatten(args)
+        key = (treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", x)) for x in leaves))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 64:  # new shapes every call: keep memory bounded
+                self._plans.clear()
+            plan = self._plans[key] = compute()
+        return plan
 
     def _jit(self) -> Any:
         if self._jitted is None:

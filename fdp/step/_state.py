@@ -168,13 +168,13 @@ def _wants_local_stats(config: StepConfig, state: Any) -> bool:
     return local and not isinstance(stats, PerDevice)
 
 
-def linen_state_ready(config: StepConfig, state: Any, buckets: BucketPlan) -> bool:
-    """Whether a Linen state that went through a step needs no more preparing."""
+def linen_state_ready(config: StepConfig, state: Any, stateful_hook: bool) -> bool:
+    """Whether a Linen state that went through a step needs no more preparing (cheap)."""
     if config.per_device_state and not _stacked(config, state):
         return False
     if _wants_local_stats(config, state):
         return False
-    return not hook_is_stateful(config, buckets) or getattr(state, "comm_state", None) is not None
+    return not stateful_hook or getattr(state, "comm_state", None) is not None
 
 
 def prepare_linen_state(config: StepConfig, state: Any, buckets: BucketPlan) -> Any:
