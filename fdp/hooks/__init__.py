@@ -14,6 +14,7 @@ from fdp.hooks._basic import noop as noop
 from fdp.hooks._bucketed import reduce_with_hook as reduce_with_hook
 from fdp.hooks._contract import CommHook as CommHook
 from fdp.hooks._contract import GradBucket as GradBucket
+from fdp.hooks._contract import with_reduce_scatter as with_reduce_scatter
 from fdp.hooks._local_sgd import PeriodicModelAverager as PeriodicModelAverager
 from fdp.hooks._local_sgd import post_local_sgd as post_local_sgd
 from fdp.hooks._powersgd import PowerSGDConfig as PowerSGDConfig
@@ -43,4 +44,5 @@ __all__ = [
     "quantize_per_tensor",
     "reduce_with_hook",
     "resolve",
+    "with_reduce_scatter",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -14,9 +15,14 @@ from fdp.hooks._contract import (
     CommHook,
     GradBucket,
     HookState,
+    ReduceFn,
     as_leaves,
+    as_shards,
     mean_all_reduce,
+    mean_reduce_scatter,
+    reduce_scatter_of,
     stateless_init,
+    with_reduce_scatter,
 )
 
 
@@ -26,18 +32,39 @@ def _allreduce_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookSt
     return mean_all_reduce(list(bucket.gradients), bucket.axis_name), state
 
 
+@functools.cache
+def _scatter(low: np.dtype | None) -> ReduceFn:
+    """The mean reduce-scatter (ZeRO stages 2 and 3), optionally in ``low`` precision.
+
+    Memoised, so hooks built twice compare equal (a step config is a jit key).
+    """
+
+    def reduce_scatter(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
+        dims = bucket.shard_dims or (None,) * len(bucket.shapes)
+        values = list(bucket.gradients)
+        if low is not None:
+            values = [v.astype(low) for v in values]
+        shares = mean_reduce_scatter(values, dims, bucket.axis_name, flat=bucket.layout == "flat")
+        return [s.astype(bucket.dtype) for s in shares], state
+
+    return reduce_scatter
+
+
 def allreduce() -> CommHook:
     """DDP's ``allreduce_hook``: the mean over the data axis (the default hook).
 
     With the step's ``layout='flat'`` it all-reduces the packed bucket buffer,
     with ``'leaves'`` the gradients in place (one ``psum`` call per bucket).
+    Under ZeRO stages 2 and 3 it reduce-scatters each bucket instead (one
+    reduce-scatter of a shard-major buffer per bucket with ``'flat'``).
 
     Example:
       >>> hook = allreduce()
       >>> hook.name, hook.replicated_output
       ('allreduce', True)
     """
-    return CommHook("allreduce", stateless_init, _allreduce_reduce)
+    hook = CommHook("allreduce", stateless_init, _allreduce_reduce)
+    return with_reduce_scatter(hook, _scatter(None))
 
 
 def _noop_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
@@ -66,14 +93,15 @@ def _compress(name: str, low: np.dtype) -> CommHook:
         reduced = [r.astype(bucket.dtype) for r in reduced]
         return (reduced[0] if bucket.layout == "flat" else reduced), state
 
-    return CommHook(name, stateless_init, reduce)
+    return with_reduce_scatter(CommHook(name, stateless_init, reduce), _scatter(low))
 
 
 def fp16_compress() -> CommHook:
     """DDP's ``fp16_compress_hook``: all-reduce in float16, then cast back.
 
     Halves the bytes of float32 gradients on the wire. (On CPU, XLA promotes
-    low-precision all-reduces to float32; the saving is real on GPU.)
+    low-precision all-reduces to float32; the saving is real on GPU.) Under ZeRO
+    stages 2 and 3 it reduce-scatters in float16 the same way.
     """
     return _compress("fp16_compress", _low(jnp.float16))
 
@@ -102,7 +130,18 @@ def _wrapper(prefix: str, low: np.dtype, hook: CommHook) -> CommHook:
         leaves = as_leaves(hook, low_bucket, result)
         return [leaf.astype(bucket.dtype) for leaf in leaves], state
 
-    return hook._replace(name=f"{prefix}_compress_wrapper({hook.name})", init=init, reduce=reduce)
+    inner_scatter = reduce_scatter_of(hook)
+
+    def reduce_scatter(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
+        assert inner_scatter is not None  # only handed out when the inner hook has one
+        low_bucket = bucket.astype(low)
+        result, state = inner_scatter(state, low_bucket)
+        shares = as_shards(hook, low_bucket, result)
+        return [share.astype(bucket.dtype) for share in shares], state
+
+    name = f"{prefix}_compress_wrapper({hook.name})"
+    wrapped = hook._replace(name=name, init=init, reduce=reduce)
+    return wrapped if inner_scatter is None else with_reduce_scatter(wrapped, reduce_scatter)
 
 
 def fp16_compress_wrapper(hook: CommHook) -> CommHook:

@@ -11,7 +11,16 @@ import numpy as np
 from fdp.bucketing import BucketPlan, check_tree, has_gradient, plan_for
 from fdp.collectives import axis_size, is_varying
 from fdp.hooks._basic import allreduce
-from fdp.hooks._contract import CommHook, GradBucket, HookState, Layout, as_leaves, check_layout
+from fdp.hooks._contract import (
+    CommHook,
+    GradBucket,
+    HookState,
+    Layout,
+    as_leaves,
+    as_shards,
+    check_layout,
+    reduce_scatter_of,
+)
 
 
 def check_not_reduced(leaves: list[Any], plan: BucketPlan, axis_name: str) -> None:
@@ -34,8 +43,10 @@ def check_not_reduced(leaves: list[Any], plan: BucketPlan, axis_name: str) -> No
                 )
 
 
-def _no_gradient(plan: BucketPlan, i: int) -> Any:
+def _no_gradient(plan: BucketPlan, i: int, dim: int | None, n: int) -> Any:
     shape, dtype = plan.leaf_shapes[i], plan.leaf_dtypes[i]
+    if dim is not None:
+        shape = tuple(s // n if k == dim else s for k, s in enumerate(shape))
     if has_gradient(dtype):
         return jnp.zeros(shape, dtype)
     return np.zeros(shape, jax.dtypes.float0)
@@ -50,6 +61,7 @@ def reduce_with_hook(
     plan: BucketPlan | None = None,
     layout: Layout = "leaves",
     params: Any = None,
+    shard_dims: tuple[int | None, ...] | None = None,
 ) -> tuple[Any, HookState]:
     """Reduces per-device gradients bucket by bucket with ``hook``.
 
@@ -65,24 +77,34 @@ def reduce_with_hook(
         omitted.
       layout: the step's layout, passed to the hook in each bucket.
       params: the parameters, exposed to the hook as ``bucket.parameters``.
+      shard_dims: ZeRO stages 2 and 3: per leaf, the dimension to scatter the
+        reduced gradient along (None: whole). The hook's ``reduce_scatter``
+        runs instead of ``reduce``, and each device gets its share.
 
     Returns:
       ``(reduced_grads, new_state)``. Leaves in no bucket come back as zeros
-      (float0 for integer and bool leaves).
+      (float0 for integer and bool leaves), shares of zeros with ``shard_dims``.
 
     Raises:
       ValueError: the gradients are already reduced (the double-reduction
         trap), do not match the plan, or the hook returns the wrong shape/dtype.
     """
-    axis_size(axis_name)
+    n = axis_size(axis_name)
     check_layout(layout)
     plan = plan_for(grads) if plan is None else plan
     leaves = check_tree(plan, grads, "grads")
     check_not_reduced(leaves, plan, axis_name)
     param_leaves = None if params is None else jax.tree.leaves(params)
+    scatter = None if shard_dims is None else reduce_scatter_of(hook)
+    if shard_dims is not None and scatter is None:
+        raise ValueError(
+            f"comm hook {hook.name!r} has no reduce-scatter form (ZeRO stages 2 and 3); "
+            "see fdp.hooks.with_reduce_scatter."
+        )
+    dims = shard_dims if shard_dims is not None else (None,) * len(leaves)
     # Leaves in no bucket get no gradient: zeros (float0 for integer leaves, as
     # jax.grad gives them), constants and so replicated by nature.
-    out = [_no_gradient(plan, i) for i in range(len(leaves))]
+    out = [_no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
     last = len(plan.buckets) - 1
     for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
         grad_bucket = GradBucket(
@@ -94,10 +116,16 @@ def reduce_with_hook(
             parameters=None
             if param_leaves is None
             else [param_leaves[i] for i in bucket.leaf_indices],
+            shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
         )
         with jax.named_scope(f"fdp_bucket_{bucket.index}"):
-            result, state = hook.reduce(state, grad_bucket)
-        for i, leaf in zip(bucket.leaf_indices, as_leaves(hook, grad_bucket, result), strict=True):
+            if scatter is not None:
+                result, state = scatter(state, grad_bucket)
+                reduced = as_shards(hook, grad_bucket, result)
+            else:
+                result, state = hook.reduce(state, grad_bucket)
+                reduced = as_leaves(hook, grad_bucket, result)
+        for i, leaf in zip(bucket.leaf_indices, reduced, strict=True):
             out[i] = leaf
     return jax.tree.unflatten(plan.treedef, out), state
 

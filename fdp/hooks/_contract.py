@@ -12,6 +12,7 @@ buffer. fdp's functional form returns the reduced values and the new state:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -46,6 +47,8 @@ class GradBucket:
       axis_name: the data axis to communicate over.
       layout: the step's layout (``'leaves'`` or ``'flat'``): hooks that can
         work either way (the default all-reduce) follow it.
+      shard_dims: with ZeRO stage 2 or 3, per gradient the dimension its
+        reduced value is scattered along (None: kept whole); else None.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class GradBucket:
         axis_name: str,
         layout: str = "leaves",
         parameters: Sequence[jax.Array] | None = None,
+        shard_dims: Sequence[int | None] | None = None,
     ):
         self.meta = meta
         self.gradients = tuple(gradients)
@@ -64,6 +68,7 @@ class GradBucket:
         self.is_last = is_last
         self.axis_name = axis_name
         self.layout = layout
+        self.shard_dims = None if shard_dims is None else tuple(shard_dims)
 
     @property
     def index(self) -> int:
@@ -124,6 +129,16 @@ class GradBucket:
             axis_name=self.axis_name,
             layout=self.layout,
             parameters=self.parameters,
+            shard_dims=self.shard_dims,
+        )
+
+    def shard_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shape of each gradient's share on one device after a reduce-scatter."""
+        dims = self.shard_dims or (None,) * len(self.shapes)
+        n = self.num_replicas
+        return tuple(
+            s if d is None else tuple(x // n if i == d else x for i, x in enumerate(s))
+            for s, d in zip(self.shapes, dims, strict=True)
         )
 
 
@@ -147,6 +162,9 @@ class CommHook(NamedTuple):
         typing (``psum`` does; ``all_gather`` followed by a local reduction and
         grouped ``psum`` do not). ``False`` runs the step's ``shard_map`` with
         ``check_vma=False``.
+
+    A hook may also have a reduce-scatter form, for ZeRO stages 2 and 3: see
+    :func:`with_reduce_scatter`.
     """
 
     name: str
@@ -154,6 +172,36 @@ class CommHook(NamedTuple):
     reduce: ReduceFn
     replicated_output: bool = True
     vma_safe: bool = True
+
+
+# A hook's reduce-scatter form, keyed by its reduce function (CommHook stays the
+# 5-tuple it was, so code that unpacks hooks keeps working).
+_REDUCE_SCATTER: weakref.WeakKeyDictionary[Any, ReduceFn] = weakref.WeakKeyDictionary()
+
+
+def with_reduce_scatter(hook: CommHook, reduce_scatter: ReduceFn) -> CommHook:
+    """Gives ``hook`` a reduce-scatter form, so ZeRO stages 2 and 3 accept it.
+
+    ``reduce_scatter(state, bucket) -> (shares, state)`` returns one array per
+    gradient: this device's share of the reduced value along
+    ``bucket.shard_dims[i]`` (the whole reduced value where that is None), with
+    the shapes ``bucket.shard_shapes()``. fdp's ``allreduce``, ``bf16_compress``
+    and ``fp16_compress`` (and the compress wrappers of hooks that have one)
+    come with theirs.
+
+    Returns:
+      ``hook`` itself.
+    """
+    _REDUCE_SCATTER[hook.reduce] = reduce_scatter
+    return hook
+
+
+def reduce_scatter_of(hook: CommHook) -> ReduceFn | None:
+    """``hook``'s reduce-scatter form, or None when it has none."""
+    try:
+        return _REDUCE_SCATTER.get(hook.reduce)
+    except TypeError:  # a reduce that cannot be weakly referenced has no form
+        return None
 
 
 def mean_all_reduce(
@@ -194,6 +242,49 @@ def mean_all_reduce(
     if divide_first:
         return total([v / jnp.asarray(size, v.dtype) for v in values])
     return [v / size for v in total(list(values))]
+
+
+def mean_reduce_scatter(
+    values: Sequence[jax.Array],
+    dims: Sequence[int | None],
+    axis_name: str,
+    *,
+    flat: bool = False,
+) -> list[jax.Array]:
+    """Each array's mean over the data axis, this device's share along ``dims``.
+
+    Divides first, then sums, as :func:`mean_all_reduce` does by default. Arrays
+    whose dimension is None are all-reduced whole. With ``flat`` the scattered
+    arrays travel as one buffer, laid out shard-major (FSDP's copy-in): each is
+    viewed as ``[N, share]`` along its dimension and the views are concatenated,
+    so one reduce-scatter of the buffer leaves each device exactly its share of
+    every array.
+    """
+    n = axis_size(axis_name)
+    out: list[Any] = [None] * len(values)
+    whole = [i for i, d in enumerate(dims) if d is None]
+    for i, r in zip(whole, mean_all_reduce([values[i] for i in whole], axis_name), strict=True):
+        out[i] = r
+    split = [(i, d) for i, d in enumerate(dims) if d is not None]
+    if not split:
+        return out
+    parts = [(values[i] / jnp.asarray(n, values[i].dtype), d) for i, d in split]
+    if not flat:
+        for (i, _), (v, d) in zip(split, parts, strict=True):
+            out[i] = jax.lax.psum_scatter(v, axis_name, scatter_dimension=d, tiled=True)
+        return out
+    rows = [jnp.moveaxis(v, d, 0).reshape(n, -1) for v, d in parts]
+    mine = jax.lax.psum_scatter(
+        jnp.concatenate(rows, axis=1), axis_name, scatter_dimension=0, tiled=True
+    )[0]
+    start = 0
+    for (i, d), row in zip(split, rows, strict=True):
+        width = row.shape[1]
+        moved = jnp.moveaxis(values[i], d, 0).shape
+        share = mine[start : start + width].reshape((moved[0] // n, *moved[1:]))
+        out[i] = jnp.moveaxis(share, 0, d)
+        start += width
+    return out
 
 
 def stateless_init(params: Any, plan: BucketPlan) -> HookState:
@@ -237,3 +328,24 @@ def as_leaves(hook: CommHook, bucket: GradBucket, result: Any) -> list[jax.Array
             f"{bucket.index}; {expected}."
         )
     return bucket.unpack(result)
+
+
+def as_shards(hook: CommHook, bucket: GradBucket, result: Any) -> list[jax.Array]:
+    """Checks a hook's reduce-scatter result: one share per gradient, in order.
+
+    Raises:
+      ValueError: the number, shapes or dtypes of the shares do not match.
+    """
+    want = bucket.shard_shapes()
+    shapes = [tuple(jnp.shape(r)) for r in result] if isinstance(result, list | tuple) else None
+    if (
+        shapes is None
+        or shapes != list(want)
+        or any(jnp.result_type(r) != bucket.dtype for r in result)
+    ):
+        expected = ", ".join(f"{bucket.dtype}{list(s)}" for s in want)
+        raise ValueError(
+            f"comm hook {hook.name!r}'s reduce_scatter returned {shapes!r} for bucket "
+            f"{bucket.index}; expected one share per gradient: {expected}."
+        )
+    return list(result)

@@ -177,7 +177,9 @@ def describe(obj: Any, *, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: floa
 
     One row per bucket in reduce order: index, dtype, number of gradients,
     bytes, and the key paths of its first and last gradient (gradients sit in
-    a bucket in ready order, the reverse of the parameter order).
+    a bucket in ready order, the reverse of the parameter order). For a step
+    with ``zero_stage`` >= 1, a table of the bytes each device holds follows
+    (parameters, reduced gradients, optimizer state, and the leaves kept whole).
 
     Args:
       obj: a :class:`fdp.bucketing.BucketPlan`, a train step that has run, or
@@ -207,6 +209,8 @@ def describe(obj: Any, *, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: floa
       ------  -------  ------  ---------  ---------------  ---------------
       total                 4  1,071,144  2 bucket(s)
     """
-    return str(
+    table = str(
         bucket_report(obj, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     )
+    held = getattr(obj, "memory_table", lambda: None)()  # a ZeRO step: what devices hold
+    return table if held is None else f"{table}\n{held}"

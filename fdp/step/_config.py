@@ -15,7 +15,8 @@ from fdp import _compat
 from fdp.bucketing import cap_limits
 from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
 from fdp.hooks import CommHook, PeriodicModelAverager, resolve
-from fdp.hooks._contract import Layout
+from fdp.hooks._contract import Layout, reduce_scatter_of
+from fdp.step._zero import check_stage
 
 StepLayout = Literal["auto", "leaves", "flat"]
 LAYOUTS = ("auto", "leaves", "flat")
@@ -53,6 +54,9 @@ class StepConfig:
       buffers: how model state changed by the forward pass (``batch_stats``) is
         kept in step: ``'broadcast'`` from device 0, ``'mean'`` over the data
         axis, or ``'local'`` (each device its own).
+      zero_stage: ZeRO's stage (DeepSpeed's meaning): 0, DDP; 1, the optimizer
+        state sharded over the data axis; 2, also the reduced gradients; 3, also
+        the parameters between steps.
 
     Example:
       >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
@@ -78,6 +82,7 @@ class StepConfig:
     per_example: bool = False
     find_unused_parameters: bool = False
     buffers: str = "broadcast"
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
@@ -105,6 +110,42 @@ class StepConfig:
             object.__setattr__(self, "accum_dtype", np.dtype(jnp.dtype(self.accum_dtype)))
         if self.buffers not in BUFFER_MODES:
             raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {self.buffers!r}.")
+        object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
+        self._check_zero()
+
+    def _check_zero(self) -> None:
+        """Refuses what cannot work with a sharded step, saying why."""
+        stage, hook = self.zero_stage, self.comm_hook
+        if stage == 0:
+            return
+        if not hook.replicated_output:
+            raise ValueError(
+                f"comm hook {hook.name!r} lets replicas diverge (one state per device), "
+                f"which zero_stage={stage} cannot shard: every device must apply the same "
+                "reduced gradient to its share. Use zero_stage=0 with this hook."
+            )
+        if self.model_averager is not None:
+            raise ValueError(
+                f"model_averager (post-local SGD) averages whole per-device parameters, "
+                f"which zero_stage={stage} does not keep. Use zero_stage=0 with it."
+            )
+        if stage >= 2 and reduce_scatter_of(hook) is None:
+            raise ValueError(
+                f"comm hook {hook.name!r} has no reduce-scatter form, which "
+                f"zero_stage={stage} needs (each device keeps only its share of every "
+                "reduced gradient). Hooks with one: allreduce (the default), "
+                "bf16_compress, fp16_compress, the compress wrappers of those, and hooks "
+                "given one with fdp.hooks.with_reduce_scatter. PowerSGD and the "
+                "quantization hooks rebuild whole gradients on every device: use them "
+                "with zero_stage=0 or 1."
+            )
+        if self.mesh is not None:
+            others = {a: s for a, s in self.mesh.shape.items() if a != self.axis_name and s > 1}
+            if others:
+                raise ValueError(
+                    f"zero_stage={stage} shards over the data axis {self.axis_name!r} only; "
+                    f"the mesh also has axes {others}. Use a mesh with the data axis alone."
+                )
 
     # -- resolving what depends on the devices (the first call) -------------------------
 
@@ -126,7 +167,7 @@ class StepConfig:
             layout = "flat" if cpu and jax.process_count() > 1 else "leaves"
         if mesh is self.mesh and layout == self.layout:
             return self
-        return dataclasses.replace(self, mesh=mesh, layout=layout)
+        return dataclasses.replace(self, mesh=mesh, layout=layout)  # checks again
 
     @property
     def bound(self) -> bool:
@@ -162,6 +203,20 @@ class StepConfig:
         where fdp's reductions become identities.
         """
         return self.comm_hook.vma_safe and self.num_replicas > 1
+
+    @property
+    def scatters_gradients(self) -> bool:
+        """Whether each device gets only its share of the reduced gradients (ZeRO).
+
+        Stages 2 and 3 always; stage 1 too when the hook has a reduce-scatter form
+        (the default has), since the update reads only the device's share anyway:
+        a reduce-scatter moves half the bytes of the all-reduce it replaces, so
+        stage 1 sends what DDP sends. Hooks without one (PowerSGD, quantization)
+        all-reduce at stage 1, and each device keeps its slice.
+        """
+        if self.zero_stage >= 2:
+            return True
+        return self.zero_stage == 1 and reduce_scatter_of(self.comm_hook) is not None
 
     @property
     def compiler_options(self) -> dict[str, str] | None:

@@ -2,9 +2,10 @@
 
 Per device, inside the step's ``shard_map``:
 
-    params -> per-device -> local gradients (micro-batches) -> bucketed reduction
-    with the comm hook -> "untouched" flags of unused parameters -> buffers made
-    one again -> metrics reduced over the data axis
+    params (gathered, ZeRO stage 3) -> per-device -> local gradients
+    (micro-batches) -> bucketed reduction with the comm hook (reduce-scattered,
+    ZeRO stages 2 and 3) -> "untouched" flags of unused parameters -> buffers
+    made one again -> metrics reduced over the data axis
 
 Nothing here knows how the update is applied; the front ends differ only there
 (``TrainState.apply_gradients`` in Linen, ``nnx.Optimizer.update`` in NNX).
@@ -23,13 +24,15 @@ from fdp.step._config import StepConfig
 from fdp.step._local_grads import Objective, local_gradients
 from fdp.step._plan import StepPlan
 from fdp.step._usage import untouched_flags
+from fdp.step._zero import bucket_shard_dims, gather_params
 
 
 class Reduced(NamedTuple):
     """What the core computed on one device.
 
     Attributes:
-      grads: the reduced gradients (like the parameters).
+      grads: the reduced gradients (like the parameters; with ZeRO stages 2
+        and 3, this device's share of each).
       buffers: the state carried through the micro-batches (batch statistics),
         made one again as ``config.buffers`` says; None without buffers.
       hook_state: the comm hook's new state on this device.
@@ -110,7 +113,8 @@ def reduce_step(
     Args:
       objective: ``objective(params, micro_batch, buffers, key) -> (loss, aux,
         new_buffers)`` for one micro-batch.
-      params: this device's parameters (replicated or per-device).
+      params: this device's parameters (replicated or per-device; its shares
+        of them with ZeRO stage 3).
       buffers: state threaded through the micro-batches, or None.
       hook_state: the comm hook's state on this device (``()`` if stateless).
       batch: this device's share of the batch.
@@ -124,6 +128,9 @@ def reduce_step(
     """
     axis = config.axis_name
     tracked = config.find_unused_parameters
+    n = config.num_replicas
+    if config.zero_stage >= 3:
+        params = gather_params(params, plan.buckets, axis, n)
     out = local_gradients(
         objective,
         vary(params, axis),
@@ -145,6 +152,7 @@ def reduce_step(
         plan=plan.buckets,
         layout=config.bound_layout,
         params=params,
+        shard_dims=bucket_shard_dims(plan.buckets, n) if config.scatters_gradients else None,
     )
     keep = None
     if tracked and (plan.usage.unused or plan.usage.conditional):

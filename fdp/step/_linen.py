@@ -30,7 +30,8 @@ from fdp.step._state import (
     strip_device_axis,
     unstacked,
 )
-from fdp.step._usage import keep_untouched
+from fdp.step._usage import keep_from_flags, keep_untouched
+from fdp.step._zero import constrain, constrain_replicated, specs
 
 
 class DataParallelStep(StepRunner):
@@ -71,6 +72,8 @@ class DataParallelStep(StepRunner):
             params = unstacked(params)
         if isinstance(stats, PerDevice) or (stacked and stats is not None):
             stats = unstacked(stats.value if isinstance(stats, PerDevice) else stats)
+        if cfg.zero_stage:
+            self._remember_shapes(params, state.opt_state)
         extra = ([] if stats is None else [stats]) + ([] if rng is None else [rng])
         micro_batch = local_batch_struct(batch, rows, cfg)
         return prepare(cfg, self.loss_fn, rows, params, micro_batch, *extra)
@@ -101,6 +104,8 @@ class DataParallelStep(StepRunner):
         cfg = self.config
         batch, mask = place_batch(batch, mask, plan.rows, cfg)
         core, side = split_side(state)
+        if cfg.zero_stage:
+            return self._sharded_step(plan, core, side, batch, rng, mask)
         stats = side.get("batch_stats")
         data = P(cfg.axis_name)
         state_spec = data if cfg.per_device_state else P()
@@ -122,16 +127,17 @@ class DataParallelStep(StepRunner):
             state, stats = strip_device_axis((state, stats))
         elif wrapped:
             stats = strip_device_axis(stats.value)
-        has_stats = stats is not None
-
-        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
-            args = (p, micro) + ((carry,) if has_stats else ()) + (() if key is None else (key,))
-            loss, aux, new_stats = call_loss(self.loss_fn, cfg, has_stats, *args)
-            return loss, aux, (new_stats if has_stats else carry)
-
         hook_state = () if comm is None else strip_device_axis(comm)
         out = reduce_step(
-            objective, state.params, stats, hook_state, batch, mask, rng, config=cfg, plan=plan
+            self._objective(stats is not None),
+            state.params,
+            stats,
+            hook_state,
+            batch,
+            mask,
+            rng,
+            config=cfg,
+            plan=plan,
         )
         new_state = state.apply_gradients(grads=out.grads)
         if out.keep is not None:
@@ -146,6 +152,80 @@ class DataParallelStep(StepRunner):
             new_stats = PerDevice(add_device_axis(new_stats))
         new_comm = None if comm is None else add_device_axis(out.hook_state)
         return new_state, new_stats, new_comm, out.metrics
+
+    def _objective(self, has_stats: bool) -> Any:
+        """The user's loss as the core's ``objective(params, micro, carry, key)``."""
+        cfg = self.config
+
+        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
+            args = (p, micro) + ((carry,) if has_stats else ()) + (() if key is None else (key,))
+            loss, aux, new_stats = call_loss(self.loss_fn, cfg, has_stats, *args)
+            return loss, aux, (new_stats if has_stats else carry)
+
+        return objective
+
+    # -- the sharded step (ZeRO stages 1-3) -----------------------------------------------
+
+    def _sharded_step(
+        self, plan: StepPlan, core: Any, side: dict[str, Any], batch: Any, rng: Any, mask: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reduced gradients from a shard_map, then the update on sharded global arrays."""
+        cfg = self.config
+        mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
+        stats = side.get("batch_stats")
+        data = P(axis)
+        stats_spec = data if isinstance(stats, PerDevice) else P()
+        param_specs = specs(core.params, n, axis)
+        params_in = param_specs if cfg.zero_stage >= 3 else P()
+        grads_out = param_specs if cfg.scatters_gradients else P()
+        local = cfg.shard_map(
+            lambda *args: self._local_grads(plan, *args),
+            in_specs=(params_in, stats_spec, data, data, P(), data),
+            out_specs=(grads_out, stats_spec, data, P(), P()),
+        )
+        grads, stats, comm, flags, metrics = local(
+            core.params, stats, side.get("comm_state"), batch, rng, mask
+        )
+        # The update, written on whole arrays: XLA runs it on each device's share.
+        old = core.replace(
+            params=constrain(core.params, mesh, axis),
+            opt_state=constrain(core.opt_state, mesh, axis),
+        )
+        new = old.apply_gradients(grads=constrain(grads, mesh, axis))
+        if flags is not None:
+            keep = keep_from_flags(plan.usage, flags)
+            new = keep_untouched(new, old, jax.tree.structure(old.params), keep)
+        new = new.replace(
+            params=constrain(new.params, mesh, axis)
+            if cfg.zero_stage >= 3
+            else constrain_replicated(new.params, mesh),
+            opt_state=constrain(new.opt_state, mesh, axis),
+        )
+        return join_side(new, {"batch_stats": stats, "comm_state": comm}), metrics
+
+    def _local_grads(
+        self, plan: StepPlan, params: Any, stats: Any, comm: Any, batch: Any, rng: Any, mask: Any
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """One device's reduced gradients (its shares from stage 2), buffers, hook state."""
+        wrapped = isinstance(stats, PerDevice)
+        if wrapped:
+            stats = strip_device_axis(stats.value)
+        hook_state = () if comm is None else strip_device_axis(comm)
+        out = reduce_step(
+            self._objective(stats is not None),
+            params,
+            stats,
+            hook_state,
+            batch,
+            mask,
+            rng,
+            config=self.config,
+            plan=plan,
+        )
+        new_stats = PerDevice(add_device_axis(out.buffers)) if wrapped else out.buffers
+        new_comm = None if comm is None else add_device_axis(out.hook_state)
+        flags = None if out.keep is None else jnp.stack([jnp.asarray(k) for k in out.keep])
+        return out.grads, new_stats, new_comm, flags, out.metrics
 
     def __call__(
         self, state: Any, batch: Any, rng: Any = None, mask: Any = None
@@ -194,6 +274,7 @@ def train_step(
     find_unused_parameters: bool = False,
     buffers: str = "broadcast",
     stats: bool | StatsSchedule = False,
+    zero_stage: int = 0,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
 
@@ -239,6 +320,12 @@ def train_step(
       stats: sample runtime statistics (``step.stats()``) at any debug level:
         ``True`` (steps 1-10, then every 100th) or a :class:`fdp.StatsSchedule`.
         They are sampled at ``FDP_DEBUG=INFO`` and above anyway.
+      zero_stage: shard over the data axis as ZeRO does (DeepSpeed's stages):
+        ``0`` DDP (everything whole on every device); ``1`` the optimizer state;
+        ``2`` also the reduced gradients (each bucket is reduce-scattered);
+        ``3`` also the parameters, which stay sharded between steps and are
+        gathered bucket by bucket at the start of each. The parameters after
+        each step equal stage 0's. See docs/zero.md.
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -26,7 +27,8 @@ from fdp.step._state import (
     init_hook_state,
     strip_device_axis,
 )
-from fdp.step._usage import keep_untouched
+from fdp.step._usage import keep_from_flags, keep_untouched
+from fdp.step._zero import constrain, constrain_replicated, place, specs
 
 
 class CommState(nnx.Variable):
@@ -80,6 +82,8 @@ class NNXDataParallelStep(StepRunner):
         cfg = self.config
         rows = batch_rows(batch, mask, cfg)
         graphdef, params, keys, rest = _split_model(model, optimizer)
+        if cfg.zero_stage:
+            self._remember_shapes(params, nnx.state(optimizer.opt_state))
         micro_batch = local_batch_struct(batch, rows, cfg)
         loss = _ModelLoss(self.loss_fn, graphdef)
         return prepare(cfg, loss, rows, params, micro_batch, keys, rest)
@@ -104,6 +108,8 @@ class NNXDataParallelStep(StepRunner):
             # otherwise would compile the step a second time on the next call. With
             # several processes this also hands everyone process 0's values.
             nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.bound_mesh))
+            if cfg.zero_stage:
+                self._place_zero(model, optimizer)
             self._placed = True
         if hasattr(optimizer, "fdp_comm_state"):
             return
@@ -116,11 +122,21 @@ class NNXDataParallelStep(StepRunner):
             # An attribute fdp adds to the optimizer (nnx tracks it as state).
             optimizer.fdp_comm_state = CommState(hook_state)  # pyright: ignore[reportAttributeAccessIssue]
 
+    def _place_zero(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+        """Shards the optimizer state (and at stage 3 the parameters) over the data axis."""
+        cfg = self.config
+        mesh, axis = cfg.bound_mesh, cfg.axis_name
+        nnx.update(optimizer.opt_state, place(nnx.state(optimizer.opt_state), mesh, axis))
+        if cfg.zero_stage >= 3:
+            nnx.update(model, place(nnx.state(model, optimizer.wrt), mesh, axis))
+
     def _global_step(
         self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
     ) -> tuple[Any, Any, dict[str, Any]]:
         cfg = self.config
         batch, mask = place_batch(batch, mask, plan.rows, cfg)
+        if cfg.zero_stage:
+            return self._sharded_step(plan, graphdef, comm, state, batch, mask)
         data = P(cfg.axis_name)
         local = cfg.shard_map(
             lambda c, s, b, m: self._local_step(plan, graphdef, c, s, b, m),
@@ -135,18 +151,9 @@ class NNXDataParallelStep(StepRunner):
         cfg = self.config
         model, optimizer = nnx.merge(graphdef, strip_device_axis(comm), state)
         model_def, params, keys, rest = _split_model(model, optimizer)
-        # Per-device random streams, so each device draws its own dropout masks.
-        index = jax.lax.axis_index(cfg.axis_name)
-        local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
-
-        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
-            del key
-            m = nnx.merge(model_def, p, local_keys, carry, copy=True)
-            loss, aux, _ = call_loss(self.loss_fn, cfg, False, m, micro)
-            return loss, aux, _split_model(m, optimizer)[3]
-
         has_comm = hasattr(optimizer, "fdp_comm_state")
         hook_state = optimizer.fdp_comm_state.get_value() if has_comm else ()
+        objective = self._objective(model_def, optimizer, keys)
         out = reduce_step(
             objective, params, rest, hook_state, batch, mask, None, config=cfg, plan=plan
         )
@@ -162,6 +169,80 @@ class NNXDataParallelStep(StepRunner):
             optimizer.fdp_comm_state.set_value(out.hook_state)
         comm_out, state_out = nnx.split((model, optimizer), CommState, ...)[1:]
         return add_device_axis(comm_out), state_out, out.metrics
+
+    def _objective(self, model_def: Any, optimizer: nnx.Optimizer, keys: Any) -> Any:
+        """Inside shard_map: the user's loss as the core's ``objective``."""
+        cfg = self.config
+        # Per-device random streams, so each device draws its own dropout masks.
+        index = jax.lax.axis_index(cfg.axis_name)
+        local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
+
+        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
+            del key
+            m = nnx.merge(model_def, p, local_keys, carry, copy=True)
+            loss, aux, _ = call_loss(self.loss_fn, cfg, False, m, micro)
+            return loss, aux, _split_model(m, optimizer)[3]
+
+        return objective
+
+    # -- the sharded step (ZeRO stages 1-3) -----------------------------------------------
+
+    def _sharded_step(
+        self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
+    ) -> tuple[Any, Any, dict[str, Any]]:
+        """Reduced gradients from a shard_map, then ``optimizer.update`` on sharded arrays."""
+        cfg = self.config
+        mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
+        model, optimizer = nnx.merge(graphdef, comm, state)
+        model_def, params, keys, rest = _split_model(model, optimizer)
+        has_comm = hasattr(optimizer, "fdp_comm_state")
+        hook_state = optimizer.fdp_comm_state.get_value() if has_comm else None
+        data = P(axis)
+        param_specs = specs(params, n, axis)
+
+        def local(params: Any, keys: Any, rest: Any, hook_state: Any, batch: Any, mask: Any):
+            out = reduce_step(
+                self._objective(model_def, optimizer, keys),
+                params,
+                rest,
+                () if hook_state is None else strip_device_axis(hook_state),
+                batch,
+                mask,
+                None,
+                config=cfg,
+                plan=plan,
+            )
+            flags = None if out.keep is None else jnp.stack([jnp.asarray(k) for k in out.keep])
+            hook_out = None if hook_state is None else add_device_axis(out.hook_state)
+            return out.grads, out.buffers, hook_out, flags, out.metrics
+
+        grads, buffers, hook_state, flags, metrics = cfg.shard_map(
+            local,
+            in_specs=(param_specs if cfg.zero_stage >= 3 else P(), P(), P(), data, data, data),
+            out_specs=(param_specs if cfg.scatters_gradients else P(), P(), data, P(), P()),
+        )(params, keys, rest, hook_state, batch, mask)
+        nnx.update(model, buffers)
+        # The update, written on whole arrays: XLA runs it on each device's share.
+        nnx.update(model, constrain(params, mesh, axis))
+        nnx.update(optimizer.opt_state, constrain(nnx.state(optimizer.opt_state), mesh, axis))
+        old = (nnx.as_pure(params), nnx.as_pure(nnx.state(optimizer.opt_state)))
+        optimizer.update(model, constrain(grads, mesh, axis))
+        new_params = nnx.state(model, optimizer.wrt)
+        new_opt = nnx.state(optimizer.opt_state)
+        if flags is not None:
+            keep = keep_from_flags(plan.usage, flags)
+            new = (nnx.as_pure(new_params), nnx.as_pure(new_opt))
+            kept = keep_untouched(new, old, jax.tree.structure(old[0]), keep)
+            new_params, new_opt = nnx.state(kept[0]), nnx.state(kept[1])
+        if cfg.zero_stage >= 3:
+            nnx.update(model, constrain(new_params, mesh, axis))
+        else:
+            nnx.update(model, constrain_replicated(new_params, mesh))
+        nnx.update(optimizer.opt_state, constrain(new_opt, mesh, axis))
+        if has_comm:
+            optimizer.fdp_comm_state.set_value(hook_state)
+        comm_out, state_out = nnx.split((model, optimizer), CommState, ...)[1:]
+        return comm_out, state_out, metrics
 
     def __call__(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
@@ -221,6 +302,7 @@ def nnx_train_step(
     find_unused_parameters: bool = False,
     buffers: str = "broadcast",
     stats: bool | StatsSchedule = False,
+    zero_stage: int = 0,
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
 
@@ -257,6 +339,7 @@ def nnx_train_step(
         use :func:`fdp.train_step`.
       stats: sample runtime statistics (``step.stats()``) at any debug level;
         see :func:`fdp.train_step`.
+      zero_stage: ZeRO's stage 0-3 (see :func:`fdp.train_step` and docs/zero.md).
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.

@@ -13,6 +13,7 @@ from fdp.observe._stats import StatsSchedule
 from fdp.step._config import StepConfig
 from fdp.step._plan import StepPlan
 from fdp.step._usage import ParamUsage
+from fdp.step._zero import memory_table, shape_structs
 
 
 class StepRunner:
@@ -56,6 +57,7 @@ class StepRunner:
         self._jitted: Any = None
         self._last_plan: StepPlan | None = None
         self._plans: dict[Any, StepPlan] = {}
+        self._held: tuple[Any, Any] | None = None  # shapes of (params, opt_state), ZeRO
         self._observer = Observer(kind, arg_names, batch_arg, stats)
 
     @property
@@ -79,6 +81,19 @@ class StepRunner:
     def step_plan(self) -> StepPlan | None:
         """The whole :class:`fdp.step.StepPlan` of the last call."""
         return self._last_plan
+
+    def _remember_shapes(self, params: Any, opt_state: Any) -> None:
+        """Keeps the shapes of the parameters and optimizer state for :meth:`memory_table`."""
+        self._held = (shape_structs(params), shape_structs(opt_state))
+
+    def memory_table(self) -> str | None:
+        """What each device holds under ZeRO, as text (None at stage 0 or before a call)."""
+        if self._held is None or not self.config.zero_stage:
+            return None
+        cfg = self.config
+        return memory_table(
+            cfg.zero_stage, cfg.num_replicas, *self._held, scattered=cfg.scatters_gradients
+        )
 
     def _plan_for(self, args: tuple, compute: Callable[[], StepPlan]) -> StepPlan:
         """The plan for a call with ``args``, computed once per their shapes and dtypes.

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from fdp.bucketing import BucketPlan
 from fdp.data._placement import replicate
 from fdp.step._config import StepConfig
+from fdp.step._zero import is_placed, place
 
 
 class TrainState(train_state.TrainState):
@@ -168,9 +169,36 @@ def _wants_local_stats(config: StepConfig, state: Any) -> bool:
     return local and not isinstance(stats, PerDevice)
 
 
+def on_mesh(tree: Any, mesh: Any) -> bool:
+    """Whether every leaf of ``tree`` is a ``jax.Array`` on ``mesh`` (any spec)."""
+    return all(
+        isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def zero_placed(config: StepConfig, params: Any, opt_state: Any) -> bool:
+    """Whether parameters and optimizer state already have their ZeRO shardings (cheap)."""
+    mesh, axis = config.bound_mesh, config.axis_name
+    if not is_placed(opt_state, mesh, axis):
+        return False
+    return config.zero_stage < 3 or is_placed(params, mesh, axis)
+
+
+def place_zero(config: StepConfig, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    """Parameters (sharded at stage 3, else whole) and sharded optimizer state."""
+    mesh, axis = config.bound_mesh, config.axis_name
+    return (
+        place(params, mesh, axis, sharded=config.zero_stage >= 3),
+        place(opt_state, mesh, axis),
+    )
+
+
 def linen_state_ready(config: StepConfig, state: Any, stateful_hook: bool) -> bool:
     """Whether a Linen state that went through a step needs no more preparing (cheap)."""
     if config.per_device_state and not _stacked(config, state):
+        return False
+    if config.zero_stage and not zero_placed(config, state.params, state.opt_state):
         return False
     if _wants_local_stats(config, state):
         return False
@@ -184,12 +212,20 @@ def prepare_linen_state(config: StepConfig, state: Any, buckets: BucketPlan) -> 
     placed elsewhere would compile the step a second time). With a hook whose
     replicas diverge every leaf gains a leading device axis; with
     ``buffers='local'`` ``batch_stats`` is kept once per device
-    (:class:`PerDevice`); a stateful hook's ``comm_state`` is filled.
+    (:class:`PerDevice`); a stateful hook's ``comm_state`` is filled. With ZeRO
+    the optimizer state (and at stage 3 the parameters) is sharded.
 
     Raises:
       TypeError: the hook keeps state and ``state`` has no ``comm_state`` field.
     """
-    if not _stacked(config, state):
+    if config.zero_stage:
+        if not zero_placed(config, state.params, state.opt_state):
+            core, side = split_side(state)
+            if not on_mesh(core, config.bound_mesh):
+                core = replicate(core, config.bound_mesh)
+            params, opt_state = place_zero(config, core.params, core.opt_state)
+            state = join_side(core.replace(params=params, opt_state=opt_state), side)
+    elif not _stacked(config, state):
         core, side = split_side(state)
         home = NamedSharding(config.bound_mesh, P())
         if not all(getattr(x, "sharding", None) == home for x in jax.tree.leaves(core)):

@@ -183,6 +183,18 @@ def untouched_flags(usage: ParamUsage, used: jax.Array, axis_name: str) -> list[
     return keep
 
 
+def keep_from_flags(usage: ParamUsage, flags: jax.Array) -> list[Any]:
+    """:func:`untouched_flags` again from an array of them (one bool per leaf).
+
+    Statically unused and used leaves become ``True`` and ``False`` again, so only
+    conditional leaves cost a select.
+    """
+    return [
+        True if i in usage.unused else (flags[i] if i in usage.conditional else False)
+        for i in range(len(usage.levels))
+    ]
+
+
 def nonzero_flags(grads: Sequence[jax.Array]) -> jax.Array:
     """One bool per gradient: whether any element is non-zero (the run-time "used")."""
     if not grads:

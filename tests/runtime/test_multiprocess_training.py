@@ -63,6 +63,25 @@ def test_two_processes_train_like_one_process_with_four_devices(uninterrupted, t
     assert np.abs(one[first_kernel]).sum() > 0
 
 
+def test_zero_stage_3_over_two_processes_trains_like_the_ddp_run(uninterrupted, tmp_path, marker):
+    """ZeRO-3 over 2 processes x 2 devices (parameters and Adam state sharded across both
+    processes, each writing its own shards of the checkpoints) ends where DDP does."""
+    out = launch(
+        TWO_BY_TWO,
+        "train.py",
+        ["--out", tmp_path / "z.npz", "--ckpt-dir", tmp_path / "ck", "--zero-stage", "3"],
+        marker,
+    )
+    assert out.returncode == 0, out.output
+    zero = load(tmp_path / "z.npz")
+    assert int(zero["step"]) == 8 and zero.keys() == uninterrupted.keys()
+    for name in zero:
+        np.testing.assert_allclose(
+            uninterrupted[name], zero[name], rtol=1e-5, atol=1e-6, err_msg=name
+        )
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["6", "8"]
+
+
 def test_a_killed_worker_resumes_from_the_last_checkpoint(uninterrupted, tmp_path, marker):
     """Rank 1 SIGKILLs itself after step 5 (last checkpoint: step 4) on the first attempt;
     fdp launch --max-restarts 1 restarts both, which resume at step 4 and finish."""

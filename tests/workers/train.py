@@ -1,7 +1,7 @@
 """Trains a small MLP data-parallel, with per-process data and checkpoints (for tests).
 
     train.py --out params.npz [--devices 2] [--replicas R] [--ckpt-dir D]
-             [--die-at-step S] [--narrow-rank R]
+             [--die-at-step S] [--narrow-rank R] [--zero-stage Z]
 
 Under `fdp launch` each process feeds its own local batches, read with a
 DistributedSampler. Alone, `--replicas R` builds the same global batches from R
@@ -24,6 +24,7 @@ parser.add_argument("--ckpt-dir")
 parser.add_argument("--ckpt-every", type=int, default=2)
 parser.add_argument("--die-at-step", type=int, default=0, help="rank 1 SIGKILLs itself here")
 parser.add_argument("--narrow-rank", type=int, default=-1, help="this rank builds a narrower MLP")
+parser.add_argument("--zero-stage", type=int, default=0)
 args = parser.parse_args()
 
 import jax  # noqa: E402
@@ -54,7 +55,9 @@ model = MLP(features=(32, 8) if rank == args.narrow_rank else (32, 16))
 params = model.init(jax.random.key(rank), np.zeros((1, 8, 8, 1), np.float32))["params"]
 mesh = fdp.data_mesh()
 state = fdp.replicate(TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2)))
-step_fn = fdp.train_step(cross_entropy(model.apply), mesh=mesh)
+step_fn = fdp.train_step(cross_entropy(model.apply), mesh=mesh, zero_stage=args.zero_stage)
+if args.zero_stage:
+    state = step_fn.init(state)  # sharded before a restore, so orbax reads only each shard
 
 start = 0
 ckpt = fdp.CheckpointManager(args.ckpt_dir, max_to_keep=2) if args.ckpt_dir else None
@@ -81,8 +84,14 @@ for step in range(start, args.steps):
 
 if ckpt is not None:
     ckpt.close()
+params = state.params
+if args.zero_stage >= 3:  # sharded over both processes: gather the whole arrays
+    from jax.experimental import multihost_utils
+
+    params = multihost_utils.process_allgather(params, tiled=True)
 if rank == 0:
-    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    arrays = {jax.tree_util.keystr(p): np.asarray(x.addressable_data(0)) for p, x in flat}
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    whole = [x if isinstance(x, np.ndarray) else x.addressable_data(0) for _, x in flat]
+    arrays = {jax.tree_util.keystr(p): np.asarray(x) for (p, _), x in zip(flat, whole, strict=True)}
     np.savez(args.out, step=int(state.step), **arrays)
 print(f"done: step {int(state.step)}, loss {float(metrics['loss']):.6f}", flush=True)

@@ -1,0 +1,241 @@
+"""ZeRO: which arrays a step keeps sharded over the data axis, and how.
+
+One rule decides every leaf, from its shape alone: a leaf is split along its
+first dimension that the number of devices ``N`` divides; a leaf with no such
+dimension (a scalar, a bias of 10 on 8 devices) stays whole on every device.
+Because the rule reads only the shape, a parameter, its gradient and the
+optimizer state that mirrors it (Adam's ``mu`` and ``nu``) are always split the
+same way, whatever the optimizer's state looks like, so the update needs no
+communication between them.
+
+The update itself is written on globally-shaped arrays under ``jit`` with these
+shardings as constraints: XLA's partitioner runs each elementwise step on the
+local 1/N, and turns what looks across leaves (``clip_by_global_norm``'s norm)
+into a partial sum and an all-reduce of a scalar. optax never sees a local slice,
+so every transform keeps its meaning.
+
+Stages (DeepSpeed's): 1 shards the optimizer state; 2 also the reduced
+gradients (each bucket is reduce-scattered); 3 also the parameters between
+steps (gathered bucket by bucket at the start of a step). Stage 1 reduce-scatters
+too when the comm hook can (the default can): the update reads only each
+device's share, and a reduce-scatter plus the all-gather of the new parameters
+move the bytes of DDP's all-reduce. With a hook that needs whole gradients
+(PowerSGD, quantization) stage 1 all-reduces and each device slices its share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fdp.bucketing import BucketPlan
+
+STAGES = (0, 1, 2, 3)
+
+
+def check_stage(stage: Any) -> int:
+    """``stage`` if it is one of ZeRO's stages 0-3, else a clear error."""
+    if isinstance(stage, bool) or not isinstance(stage, int | np.integer):
+        raise TypeError(f"zero_stage must be an int in {STAGES}, got {stage!r}.")
+    if int(stage) not in STAGES:
+        raise ValueError(
+            f"zero_stage must be one of {STAGES} (0: DDP, 1: optimizer state sharded, "
+            f"2: also gradients, 3: also parameters), got {stage}."
+        )
+    return int(stage)
+
+
+def shard_dim(shape: Sequence[int], n: int) -> int | None:
+    """The dimension a leaf of ``shape`` is split along over ``n`` devices, or None.
+
+    Example:
+      >>> shard_dim((10, 16), 8), shard_dim((10,), 8), shard_dim((), 8)
+      (1, None, None)
+    """
+    if n <= 1:
+        return None
+    for d, size in enumerate(shape):
+        if size % n == 0 and size >= n:
+            return d
+    return None
+
+
+def spec(shape: Sequence[int], n: int, axis_name: str) -> P:
+    """The ``PartitionSpec`` of a leaf of ``shape`` sharded over ``axis_name``."""
+    d = shard_dim(shape, n)
+    if d is None:
+        return P()
+    return P(*([None] * d), axis_name)
+
+
+def specs(tree: Any, n: int, axis_name: str) -> Any:
+    """``tree`` with each array leaf replaced by its ``PartitionSpec``."""
+    return jax.tree.map(lambda x: spec(np.shape(x), n, axis_name), tree)
+
+
+def shardings(tree: Any, mesh: Mesh, axis_name: str) -> Any:
+    """``tree`` with each array leaf replaced by its ``NamedSharding`` on ``mesh``."""
+    n = int(mesh.shape[axis_name])
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec(np.shape(x), n, axis_name)), tree)
+
+
+def replicated(tree: Any, mesh: Mesh) -> Any:
+    """``tree`` with each array leaf replaced by the replicated sharding."""
+    whole = NamedSharding(mesh, P())
+    return jax.tree.map(lambda _: whole, tree)
+
+
+def constrain(tree: Any, mesh: Mesh, axis_name: str) -> Any:
+    """Inside ``jit``: ``tree`` constrained to its ZeRO shardings."""
+    return jax.lax.with_sharding_constraint(tree, shardings(tree, mesh, axis_name))
+
+
+def constrain_replicated(tree: Any, mesh: Mesh) -> Any:
+    """Inside ``jit``: ``tree`` constrained to be whole on every device."""
+    return jax.lax.with_sharding_constraint(tree, replicated(tree, mesh))
+
+
+@functools.lru_cache(maxsize=64)
+def bucket_shard_dims(plan: BucketPlan, n: int) -> tuple[int | None, ...]:
+    """Per parameter leaf of ``plan``, its shard dimension over ``n`` devices."""
+    return tuple(shard_dim(s, n) for s in plan.leaf_shapes)
+
+
+def gather(leaves: Sequence[jax.Array], dims: Sequence[int | None], axis_name: str) -> list:
+    """Inside ``shard_map``: whole arrays from this device's shards (stage 3)."""
+    return [
+        x if d is None else jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
+        for x, d in zip(leaves, dims, strict=True)
+    ]
+
+
+def gather_params(params: Any, plan: BucketPlan, axis_name: str, n: int) -> Any:
+    """Inside ``shard_map``: stage 3's sharded parameters made whole, bucket by bucket.
+
+    Buckets are gathered from the last to the first (the forward pass's order:
+    buckets hold gradients in ready order, the reverse), and leaves in no bucket
+    last, so the compiler can start the forward pass on the first layers while
+    later ones are still in flight.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    dims = bucket_shard_dims(plan, n)
+    out = list(leaves)
+    order = [i for b in reversed(plan.buckets) for i in reversed(b.leaf_indices)]
+    order += [i for i in range(len(leaves)) if i not in set(order)]
+    gathered = gather([leaves[i] for i in order], [dims[i] for i in order], axis_name)
+    for i, whole in zip(order, gathered, strict=True):
+        out[i] = whole
+    return jax.tree.unflatten(treedef, out)
+
+
+def is_placed(tree: Any, mesh: Mesh, axis_name: str) -> bool:
+    """Whether ``tree``'s first shardable leaf already has its ZeRO sharding (cheap)."""
+    n = int(mesh.shape[axis_name])
+    for x in jax.tree.leaves(tree):
+        d = shard_dim(np.shape(x), n)
+        if d is not None:
+            return getattr(x, "sharding", None) == NamedSharding(mesh, spec(x.shape, n, axis_name))
+    return True
+
+
+@functools.lru_cache(maxsize=32)
+def _place_jit(treedef: Any, targets: tuple[NamedSharding, ...]) -> Any:
+    return jax.jit(lambda tree: tree, out_shardings=jax.tree.unflatten(treedef, targets))
+
+
+def place(tree: Any, mesh: Mesh, axis_name: str, *, sharded: bool = True) -> Any:
+    """``tree`` moved onto its ZeRO shardings (or replicated), outside ``jit``.
+
+    A jitted copy, so it works with arrays of several processes and never
+    aliases the caller's buffers (a donating step would delete them).
+    """
+    target = shardings(tree, mesh, axis_name) if sharded else replicated(tree, mesh)
+    treedef = jax.tree.structure(tree)
+    return _place_jit(treedef, tuple(jax.tree.leaves(target)))(tree)
+
+
+# -- what each device holds ----------------------------------------------------------------
+
+
+def shape_structs(tree: Any) -> Any:
+    """``tree`` as ``jax.ShapeDtypeStruct`` leaves (no arrays kept alive)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldBytes:
+    """Bytes of a pytree: in all, and held by one device under a stage's shardings.
+
+    Attributes:
+      total: bytes of the whole arrays.
+      per_device: bytes one device holds.
+      whole_leaves: key paths of the leaves kept whole on every device (no
+        dimension divisible by the number of devices) when sharded.
+    """
+
+    total: int
+    per_device: int
+    whole_leaves: tuple[str, ...]
+
+
+def held_bytes(tree: Any, n: int, *, sharded: bool) -> HeldBytes:
+    """What one of ``n`` devices holds of ``tree`` (arrays or shape structs)."""
+    total = per_device = 0
+    whole: list[str] = []
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        shape = tuple(np.shape(x))
+        nbytes = math.prod(shape) * np.dtype(x.dtype).itemsize
+        total += nbytes
+        split = sharded and shard_dim(shape, n) is not None
+        per_device += nbytes // n if split else nbytes
+        if sharded and not split and n > 1 and shape:
+            whole.append(jax.tree_util.keystr(path))
+    return HeldBytes(total, per_device, tuple(whole))
+
+
+def memory_table(
+    stage: int, n: int, params: Any, opt_state: Any, *, scattered: bool | None = None
+) -> str:
+    """What each of ``n`` devices holds at ``stage``, as text (for :func:`fdp.describe`).
+
+    ``scattered``: whether the reduced gradients are scattered (default: from stage 2;
+    at stage 1 too with a hook that has a reduce-scatter form).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> params = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32),
+      ...           "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+      >>> print(memory_table(2, 8, params, {"mu": params, "nu": params}))
+      ZeRO stage 2 over 8 device(s), bytes each device holds:
+        parameters (between steps)       268 B of 268 B (1.000)
+        reduced gradients (in the step)   44 B of 268 B (0.164)
+        optimizer state (between steps)   88 B of 536 B (0.164)
+        kept whole (no dimension divisible by 8): ['b'], ['mu']['b'], ['nu']['b']
+    """
+    scatter = stage >= 2 if scattered is None else scattered
+    rows = [
+        ("parameters (between steps)", held_bytes(params, n, sharded=stage >= 3)),
+        ("reduced gradients (in the step)", held_bytes(params, n, sharded=scatter)),
+        ("optimizer state (between steps)", held_bytes(opt_state, n, sharded=stage >= 1)),
+    ]
+    lines = [f"ZeRO stage {stage} over {n} device(s), bytes each device holds:"]
+    width = max(len(name) for name, _ in rows)
+    digits = max(len(f"{held.total:,}") for _, held in rows)
+    for name, held in rows:
+        share = held.per_device / held.total if held.total else 1.0
+        lines.append(
+            f"  {name.ljust(width)}  {held.per_device:>{digits},} B of {held.total:>{digits},} B "
+            f"({share:.3f})"
+        )
+    whole = sorted(set(held_bytes(params, n, sharded=True).whole_leaves + rows[2][1].whole_leaves))
+    if stage >= 1 and whole:
+        lines.append(f"  kept whole (no dimension divisible by {n}): {', '.join(whole)}")
+    return "\n".join(lines)
