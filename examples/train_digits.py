@@ -34,6 +34,7 @@ import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -81,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         default=10,
         help="plain all-reduce steps before PowerSGD compresses",
     )
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        default=0,
+        choices=(0, 1, 2, 3),
+        help="ZeRO: shard the optimizer state (1), also gradients (2), also parameters (3)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--min-accuracy",
@@ -122,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             matrix_approximation_rank=args.powersgd_rank, start_powersgd_iter=args.powersgd_start
         )
     step = fdp.train_step(
-        loss_fn, mesh=mesh, has_aux=True, bucket_cap_mb=args.bucket_cap_mb, comm_hook=hook
+        loss_fn,
+        mesh=mesh,
+        has_aux=True,
+        bucket_cap_mb=args.bucket_cap_mb,
+        comm_hook=hook,
+        zero_stage=args.zero_stage,
     )
 
     @jax.jit
@@ -147,14 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
 
     plan = step.plan
-    # Every replica holds the same parameters: evaluate this process's own copy.
-    params = jax.tree.map(lambda x: x.addressable_data(0), state.params)
+    if args.zero_stage == 3:  # parameters sharded over every process: gather them whole
+        params = multihost_utils.process_allgather(state.params, tiled=True)
+    else:  # every replica holds the same parameters: evaluate this process's own copy
+        params = jax.tree.map(lambda x: x.addressable_data(0), state.params)
     acc = float(accuracy(params, test["x"], test["y"]))
     if lead:
         print(
             f"buckets: {len(plan.buckets)} ({', '.join(f'{b.nbytes} B' for b in plan.buckets)}), "
             f"comm hook {step.config.comm_hook.name}"
         )
+        if args.zero_stage:
+            print(step.memory_table())
         print(f"trained {args.epochs * steps_per_epoch} steps in {elapsed:.1f} s")
         print(f"held-out accuracy: {acc:.4f} on {len(test['y'])} images")
     return 0 if acc >= args.min_accuracy else 1
