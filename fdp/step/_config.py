@@ -20,7 +20,11 @@ from fdp.hooks._contract import Layout
 StepLayout = Literal["auto", "leaves", "flat"]
 LAYOUTS = ("auto", "leaves", "flat")
 BUFFER_MODES = ("broadcast", "mean", "local")
+ACCUMULATE_OPS = ("mean", "sum")
+WEIGHTINGS = ("example", "device")
 LossFn = Callable[..., Any]
+# buffers=fn: fn(buffers, axis_name) -> buffers, DDP's buffer comm hook.
+BufferHook = Callable[[Any, str], Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,7 +56,21 @@ class StepConfig:
         their optimizer state) untouched.
       buffers: how model state changed by the forward pass (``batch_stats``) is
         kept in step: ``'broadcast'`` from device 0, ``'mean'`` over the data
-        axis, or ``'local'`` (each device its own).
+        axis, ``'local'`` (each device its own), or a function
+        ``fn(buffers, axis_name) -> buffers`` run on every device (DDP's buffer
+        comm hook).
+      accumulate_op: how the ``accumulate_steps`` micro-batch gradients
+        combine: ``'mean'`` (one step equals one step on the whole batch, as
+        ``optax.MultiSteps``) or ``'sum'`` (torch's ``no_sync``, which adds
+        into ``.grad``).
+      weighting: with ``per_example``, ``'example'`` (every real example weighs
+        the same: one device on the whole batch) or ``'device'`` (each device's
+        mean over its real examples counts once: DDP with different local
+        batch sizes).
+      divide_by_initial_world_size: with ``per_example``, whether devices that
+        hold rows of the batch but no real example (out of data under
+        :func:`fdp.join`) still count in the divisor, as in torch's
+        ``Join`` default.
 
     Example:
       >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
@@ -61,7 +79,8 @@ class StepConfig:
       >>> StepConfig(buffers="sync")
       Traceback (most recent call last):
       ...
-      ValueError: buffers must be one of ('broadcast', 'mean', 'local'), got 'sync'.
+      ValueError: buffers must be one of ('broadcast', 'mean', 'local') or a function
+      fn(buffers, axis_name) -> buffers, got 'sync'.
     """
 
     mesh: Mesh | None = None
@@ -77,7 +96,10 @@ class StepConfig:
     accum_dtype: Any = None
     per_example: bool = False
     find_unused_parameters: bool = False
-    buffers: str = "broadcast"
+    buffers: str | BufferHook = "broadcast"
+    accumulate_op: str = "mean"
+    weighting: str = "example"
+    divide_by_initial_world_size: bool = True
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
@@ -103,8 +125,22 @@ class StepConfig:
             if not jnp.issubdtype(jnp.dtype(self.accum_dtype), jnp.floating):
                 raise ValueError(f"accum_dtype must be a floating dtype, got {self.accum_dtype!r}.")
             object.__setattr__(self, "accum_dtype", np.dtype(jnp.dtype(self.accum_dtype)))
-        if self.buffers not in BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {self.buffers!r}.")
+        if not callable(self.buffers) and self.buffers not in BUFFER_MODES:
+            raise ValueError(
+                f"buffers must be one of {BUFFER_MODES} or a function "
+                f"fn(buffers, axis_name) -> buffers, got {self.buffers!r}."
+            )
+        if self.accumulate_op not in ACCUMULATE_OPS:
+            raise ValueError(
+                f"accumulate_op must be one of {ACCUMULATE_OPS}, got {self.accumulate_op!r}."
+            )
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}.")
+        if self.weighting != "example" and not self.per_example:
+            raise ValueError(
+                f"weighting={self.weighting!r} weighs real examples per device and needs "
+                "per_example=True (a loss_fn returning one loss per example)."
+            )
 
     # -- resolving what depends on the devices (the first call) -------------------------
 
@@ -212,6 +248,8 @@ class StepConfig:
                 )
             elif isinstance(value, np.dtype):
                 out[field.name] = str(value)
+            elif callable(value):  # a buffer hook: its name, the same on every process
+                out[field.name] = getattr(value, "__qualname__", type(value).__name__)
             elif value is None or isinstance(value, str | int | float | bool):
                 out[field.name] = value
             else:
