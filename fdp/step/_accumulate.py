@@ -25,6 +25,7 @@ from fdp.bucketing import plan_for
 from fdp.collectives import vary
 from fdp.data._placement import DATA_AXIS
 from fdp.hooks import CommHook, reduce_with_hook
+from fdp.nn._moments import using_example_mask
 from fdp.step._batch import batch_rows, place_batch, split_mask
 from fdp.step._config import LossFn, StepConfig, StepLayout
 from fdp.step._core import device_rng
@@ -109,10 +110,12 @@ class GradAccumulator:
             key = device_rng(rng, cfg.axis_name)
             extra = () if key is None else (key,)
 
+            weights = split_mask(mask)[0] if cfg.per_example else None
+
             def objective(p: Any) -> tuple[jax.Array, jax.Array]:
-                loss, _, _ = call_loss(self.loss_fn, cfg, False, p, batch, *extra)
-                if cfg.per_example:
-                    weights = split_mask(mask)[0]
+                with using_example_mask(weights):  # for fdp.SyncBatchNorm
+                    loss, _, _ = call_loss(self.loss_fn, cfg, False, p, batch, *extra)
+                if weights is not None:
                     return jnp.sum(weights * loss), jnp.sum(weights)
                 return loss, jnp.ones(())
 

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from fdp.collectives import mean_over, sum_over, vary
+from fdp.nn._moments import using_example_mask
 from fdp.step._batch import split_mask
 from fdp.step._usage import nonzero_flags
 
@@ -196,7 +197,9 @@ def local_gradients(
         micro_rng = rng if rng is None or k == 1 else jax.random.fold_in(rng, index)
 
         def weighted(p: Any) -> tuple[jax.Array, tuple]:
-            loss, aux, new_carry = objective(p, micro_batch, carry, micro_rng)
+            # Layers that take statistics (fdp.SyncBatchNorm) read the real examples.
+            with using_example_mask(micro_mask if scale is not None else None):
+                loss, aux, new_carry = objective(p, micro_batch, carry, micro_rng)
             if scale is not None:  # per-example: weighed by the real examples
                 loss_sum = jnp.sum(micro_mask * loss)
                 return loss_sum * scale, (loss_sum, aux, new_carry)
