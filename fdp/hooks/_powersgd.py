@@ -60,7 +60,7 @@ class PowerSGDConfig:
     warm_start: bool = True
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
-    orientation: str = "kernel"
+    orientation: str = dataclasses.field(default="kernel", kw_only=True)
 
     def __post_init__(self) -> None:
         if self.orientation not in ("kernel", "torch"):
@@ -234,7 +234,7 @@ def powersgd(
         warm_start,
         orthogonalization_epsilon,
         random_seed,
-        orientation,
+        orientation=orientation,
     )
 
     def init(params: Any, plan: BucketPlan) -> HookState:
