@@ -14,6 +14,8 @@ from fdp.hooks._basic import noop as noop
 from fdp.hooks._bucketed import reduce_with_hook as reduce_with_hook
 from fdp.hooks._contract import CommHook as CommHook
 from fdp.hooks._contract import GradBucket as GradBucket
+from fdp.hooks._hierarchical import HierarchicalModelAverager as HierarchicalModelAverager
+from fdp.hooks._local_sgd import ModelAverager as ModelAverager
 from fdp.hooks._local_sgd import PeriodicModelAverager as PeriodicModelAverager
 from fdp.hooks._local_sgd import post_local_sgd as post_local_sgd
 from fdp.hooks._powersgd import PowerSGDConfig as PowerSGDConfig
@@ -28,6 +30,8 @@ __all__ = [
     "HOOKS",
     "CommHook",
     "GradBucket",
+    "HierarchicalModelAverager",
+    "ModelAverager",
     "PeriodicModelAverager",
     "PowerSGDConfig",
     "allreduce",

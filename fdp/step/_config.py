@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from fdp import _compat
 from fdp.bucketing import cap_limits
 from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
-from fdp.hooks import CommHook, PeriodicModelAverager, resolve
+from fdp.hooks import CommHook, ModelAverager, resolve
 from fdp.hooks._contract import Layout
 
 StepLayout = Literal["auto", "leaves", "flat"]
@@ -91,7 +91,7 @@ class StepConfig:
     donate: bool = True
     layout: StepLayout = "auto"
     comm_hook: CommHook = None  # type: ignore[assignment]  # None or a name: resolved below
-    model_averager: PeriodicModelAverager | None = None
+    model_averager: ModelAverager | None = None
     accumulate_steps: int = 1
     accum_dtype: Any = None
     per_example: bool = False
@@ -111,10 +111,10 @@ class StepConfig:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
         object.__setattr__(self, "comm_hook", resolve(self.comm_hook))
         averager = self.model_averager
-        if averager is not None and not isinstance(averager, PeriodicModelAverager):
+        if averager is not None and not isinstance(averager, ModelAverager):
             raise TypeError(
-                "model_averager must be a fdp.hooks.PeriodicModelAverager, got "
-                f"{type(averager).__name__}."
+                "model_averager must be a fdp.hooks.PeriodicModelAverager or "
+                f"fdp.hooks.HierarchicalModelAverager, got {type(averager).__name__}."
             )
         steps = self.accumulate_steps
         if isinstance(steps, bool) or not isinstance(steps, int):
@@ -197,7 +197,8 @@ class StepConfig:
         Off for hooks whose collectives JAX cannot type, and on a 1-device axis,
         where fdp's reductions become identities.
         """
-        return self.comm_hook.vma_safe and self.num_replicas > 1
+        averager_safe = self.model_averager is None or self.model_averager.vma_safe
+        return self.comm_hook.vma_safe and averager_safe and self.num_replicas > 1
 
     @property
     def compiler_options(self) -> dict[str, str] | None:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import plan_for
 from fdp.data._placement import DATA_AXIS
-from fdp.hooks import CommHook, PeriodicModelAverager
+from fdp.hooks import CommHook, ModelAverager
 from fdp.observe._stats import StatsSchedule
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
@@ -187,7 +187,7 @@ def train_step(
     donate: bool = True,
     layout: StepLayout = "auto",
     comm_hook: CommHook | str | None = None,
-    model_averager: PeriodicModelAverager | None = None,
+    model_averager: ModelAverager | None = None,
     accumulate_steps: int = 1,
     accum_dtype: Any = None,
     per_example: bool = False,
@@ -224,8 +224,9 @@ def train_step(
         bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
       comm_hook: a :class:`fdp.hooks.CommHook` or a hook name (default: the
         mean all-reduce). Hooks with state need :class:`fdp.TrainState`.
-      model_averager: a :class:`fdp.hooks.PeriodicModelAverager` that averages
-        parameters over the data axis periodically (post-local SGD).
+      model_averager: a :class:`fdp.hooks.PeriodicModelAverager` or
+        :class:`fdp.hooks.HierarchicalModelAverager` that averages parameters
+        over the data axis (or subgroups of it) periodically (post-local SGD).
       accumulate_steps: split each device's share into this many micro-batches,
         accumulate their gradients locally and reduce once (DDP's ``no_sync``).
       accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
