@@ -189,8 +189,9 @@ def time_stages(bench, batch_rows: int, rounds: int, steps: int) -> dict[int, di
 
 def footprint(dim: int, stage: int, budget_model: dict) -> tuple[int, int]:
     """(compiled per-device footprint, parameter count) of the family member of ``dim``."""
-    import fdp
     from _models import param_count
+
+    import fdp
 
     bench = bench_for(dim, budget_model["depth"], budget_model["vocab"])
     abstract = abstract_state(bench, bench.tx())
@@ -253,8 +254,9 @@ def main() -> None:
     args = parser.parse_args()
     setup_devices(args.devices)
 
-    import fdp
     from _models import BENCHES, param_count
+
+    import fdp
 
     n = args.devices
     small = BENCHES["transformer"]
@@ -286,9 +288,8 @@ def main() -> None:
             f"\nLargest Adam transformer (depth 4, vocab 8192, width in steps of 64) whose "
             f"compiled per-device footprint fits {args.budget_gib:g} GiB, 8 devices"
         )
-        print(
-            f"{'stage':>5}  {'width':>6}  {'parameters':>11}  {'footprint MiB':>13}  {'x stage 0':>9}"
-        )
+        head = ("stage", "width", "parameters", "footprint MiB", "x stage 0")
+        print("  ".join(f"{h:>{w}}" for h, w in zip(head, (5, 6, 11, 13, 9), strict=True)))
         for stage, f in fits.items():
             ratio = f["params"] / fits[0]["params"]
             print(

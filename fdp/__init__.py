@@ -18,6 +18,10 @@ from fdp.data._placement import replicate as replicate
 from fdp.data._placement import shard_batch as shard_batch
 from fdp.data._sampler import DistributedSampler as DistributedSampler
 from fdp.hooks._bucketed import reduce_gradients as reduce_gradients
+from fdp.nn._nnx_sync_batchnorm import NNXSyncBatchNorm as NNXSyncBatchNorm
+from fdp.nn._nnx_sync_batchnorm import convert_sync_batchnorm as convert_sync_batchnorm
+from fdp.nn._sync_batchnorm import SyncBatchNorm as SyncBatchNorm
+from fdp.nn._sync_batchnorm import sync_batchnorm as sync_batchnorm
 from fdp.observe._debug import DebugLevel as DebugLevel
 from fdp.observe._debug import debug_level as debug_level
 from fdp.observe._debug import set_debug_level as set_debug_level
@@ -63,10 +67,12 @@ __all__ = [
     "DistributedSampler",
     "GradAccumulator",
     "NNXDataParallelStep",
+    "NNXSyncBatchNorm",
     "ParamUsage",
     "PerDevice",
     "Restored",
     "StatsSchedule",
+    "SyncBatchNorm",
     "TrainState",
     "__version__",
     "bucket_report",
@@ -74,6 +80,7 @@ __all__ = [
     "check_consistent",
     "collective_stats",
     "collectives",
+    "convert_sync_batchnorm",
     "data_mesh",
     "data_parallel",
     "debug_level",
@@ -98,5 +105,6 @@ __all__ = [
     "runtime",
     "set_debug_level",
     "shard_batch",
+    "sync_batchnorm",
     "train_step",
 ]

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Literal
 
 import jax
 import numpy as np
 
 from fdp._validate import check_int
+from fdp.data._randperm import torch_randperm
+
+Permutation = Literal["torch", "numpy"]
+PERMUTATIONS = ("torch", "numpy")
 
 
 class DistributedSampler:
@@ -21,9 +26,9 @@ class DistributedSampler:
     (``drop_last=True``) to a multiple of ``num_replicas``; process ``rank``
     takes every ``num_replicas``-th index from position ``rank``. Every process
     therefore gets the same number of indices, and so the same number of
-    batches. The permutation comes from NumPy (``np.random.default_rng(seed +
-    epoch)``), so the shuffled order is not torch's, but the padding, dropping
-    and striding are.
+    batches. By default the permutation is torch's too (``torch.randperm`` with
+    a generator seeded ``seed + epoch``, reproduced in NumPy), so a run moved
+    from torch reads the same examples in the same order.
 
     Args:
       dataset_size: the number of examples.
@@ -33,6 +38,9 @@ class DistributedSampler:
       shuffle: shuffle every epoch.
       seed: the shuffling seed; must be the same on every process.
       drop_last: drop the tail that does not divide evenly instead of padding.
+      permutation: ``'torch'`` (default): torch's shuffled order;
+        ``'numpy'``: ``np.random.default_rng(seed + epoch).permutation``, the
+        order of fdp before it matched torch.
 
     Example:
       >>> s = DistributedSampler(10, num_replicas=3, rank=1, shuffle=False)
@@ -41,6 +49,8 @@ class DistributedSampler:
       >>> s.set_epoch(1)
       >>> [b.tolist() for b in s.batches(2)]
       [[1, 4], [7, 0]]
+      >>> list(DistributedSampler(10, num_replicas=2, rank=0, seed=0))  # as torch's
+      [4, 7, 3, 0, 6]
     """
 
     def __init__(
@@ -52,6 +62,7 @@ class DistributedSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        permutation: Permutation = "torch",
     ):
         self.dataset_size = check_int(dataset_size, "dataset_size", low=0)
         replicas = jax.process_count() if num_replicas is None else num_replicas
@@ -65,6 +76,11 @@ class DistributedSampler:
         self.shuffle = bool(shuffle)
         self.seed = check_int(seed, "seed", low=0)
         self.drop_last = bool(drop_last)
+        if permutation not in PERMUTATIONS:
+            raise ValueError(
+                f"permutation must be one of {PERMUTATIONS}, got permutation={permutation!r}."
+            )
+        self.permutation = permutation
         self.epoch = 0
         n, r = self.dataset_size, self.num_replicas
         if drop_last and n % r:
@@ -80,7 +96,9 @@ class DistributedSampler:
     def indices(self) -> np.ndarray:
         """This reader's indices for the current epoch, as an ``int64`` array."""
         n = self.dataset_size
-        if self.shuffle:
+        if self.shuffle and self.permutation == "torch":
+            order = torch_randperm(n, self.seed + self.epoch)
+        elif self.shuffle:
             order = np.random.default_rng(self.seed + self.epoch).permutation(n)
         else:
             order = np.arange(n)

@@ -15,6 +15,8 @@ from fdp.hooks._bucketed import reduce_with_hook as reduce_with_hook
 from fdp.hooks._contract import CommHook as CommHook
 from fdp.hooks._contract import GradBucket as GradBucket
 from fdp.hooks._contract import with_reduce_scatter as with_reduce_scatter
+from fdp.hooks._hierarchical import HierarchicalModelAverager as HierarchicalModelAverager
+from fdp.hooks._local_sgd import ModelAverager as ModelAverager
 from fdp.hooks._local_sgd import PeriodicModelAverager as PeriodicModelAverager
 from fdp.hooks._local_sgd import post_local_sgd as post_local_sgd
 from fdp.hooks._powersgd import PowerSGDConfig as PowerSGDConfig
@@ -29,6 +31,8 @@ __all__ = [
     "HOOKS",
     "CommHook",
     "GradBucket",
+    "HierarchicalModelAverager",
+    "ModelAverager",
     "PeriodicModelAverager",
     "PowerSGDConfig",
     "allreduce",

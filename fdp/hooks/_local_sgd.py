@@ -92,8 +92,25 @@ def post_local_sgd(
     return CommHook(name, init, reduce, replicated_output=False, vma_safe=False)
 
 
+class ModelAverager:
+    """What ``fdp.train_step(model_averager=...)`` accepts (torch's ``ModelAverager``).
+
+    A model averager is called on every device after the optimizer update with
+    the parameters and the step before the update, and returns the parameters,
+    averaged over some replica group of the data axis or unchanged.
+    """
+
+    #: Whether the averager's collectives stay inside shard_map's replication
+    #: typing (a grouped ``psum`` does not).
+    vma_safe: bool = True
+
+    def average(self, params: Any, step: jax.Array, axis_name: str) -> Any:
+        """``params`` averaged as due at ``step``, else unchanged."""
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class PeriodicModelAverager:
+class PeriodicModelAverager(ModelAverager):
     """DDP's ``PeriodicModelAverager``: average parameters every ``period`` steps.
 
     At step ``t`` (counted from 0, the train state's step before the update),

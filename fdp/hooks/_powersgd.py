@@ -15,7 +15,9 @@ A functional transcription of torch's ``powerSGD_hook`` and ``batched_powerSGD_h
 
 fdp views a gradient of shape ``(..., k)`` as the matrix ``(prod(...), k)``: Flax keeps
 output features last, so this is the matrix torch builds from its ``(out, ...)``
-layout with ``view(shape[0], -1)``, transposed.
+layout with ``view(shape[0], -1)``, transposed. ``orientation='torch'`` compresses the
+transpose, ``(k, prod(...))``, torch's orientation: the same gradients are compressed
+at the same rank, but P (orthogonalised) and Q change sides, so the results differ.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class PowerSGDConfig:
       orthogonalization_epsilon: added to column norms in Gram-Schmidt, to avoid
         dividing by zero for vanishing gradients.
       random_seed: seed of the random Q (the same on every device).
+      orientation: ``'kernel'``: a gradient ``(..., k)`` as the matrix
+        ``(prod(...), k)``; ``'torch'``: its transpose, as torch views the same
+        weight stored ``(out, in...)``.
     """
 
     matrix_approximation_rank: int = 1
@@ -55,8 +60,11 @@ class PowerSGDConfig:
     warm_start: bool = True
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
+    orientation: str = dataclasses.field(default="kernel", kw_only=True)
 
     def __post_init__(self) -> None:
+        if self.orientation not in ("kernel", "torch"):
+            raise ValueError(f"orientation must be 'kernel' or 'torch', got {self.orientation!r}.")
         rank = self.matrix_approximation_rank
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"matrix_approximation_rank must be an integer >= 1, got {rank!r}.")
@@ -85,9 +93,19 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def _as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+def _as_matrix(shape: tuple[int, ...], orientation: str = "kernel") -> tuple[int, int]:
     """The matrix of a gradient that :func:`compressed_leaves` chose (at least 2-D)."""
-    return math.prod(shape[:-1]), shape[-1]
+    n, m = math.prod(shape[:-1]), shape[-1]
+    return (m, n) if orientation == "torch" else (n, m)
+
+
+def _to_matrix(grad: jax.Array, orientation: str) -> jax.Array:
+    matrix = grad.reshape(_as_matrix(grad.shape))
+    return matrix.T if orientation == "torch" else matrix
+
+
+def _from_matrix(matrix: jax.Array, shape: tuple[int, ...], orientation: str) -> jax.Array:
+    return (matrix.T if orientation == "torch" else matrix).reshape(shape)
 
 
 def compressed_leaves(bucket: Bucket, cfg: PowerSGDConfig) -> tuple[int, ...]:
@@ -175,6 +193,8 @@ def powersgd(
     warm_start: bool = True,
     orthogonalization_epsilon: float = 0.0,
     random_seed: int = 0,
+    *,
+    orientation: str = "kernel",
 ) -> CommHook:
     """DDP's ``powerSGD_hook``: layer-wise rank-r compression of each bucket.
 
@@ -187,6 +207,12 @@ def powersgd(
       warm_start: reuse last step's Q.
       orthogonalization_epsilon: epsilon of Gram-Schmidt.
       random_seed: seed of the initial Q.
+      orientation: ``'kernel'`` (default): a Flax kernel ``(in..., out)`` as
+        the matrix ``(prod(in...), out)``; ``'torch'``: ``(out, prod(in...))``,
+        the matrix torch compresses for the same layer (its weight is
+        ``(out, in...)``). The columns of torch's matrix are ordered
+        ``(in, h, w)`` and fdp's ``(h, w, in)`` for convolutions, which is the
+        same compression given the matching rows of Q.
 
     Returns:
       The hook. Its state holds the iteration count, each bucket's error buffer
@@ -208,6 +234,7 @@ def powersgd(
         warm_start,
         orthogonalization_epsilon,
         random_seed,
+        orientation=orientation,
     )
 
     def init(params: Any, plan: BucketPlan) -> HookState:
@@ -216,7 +243,7 @@ def powersgd(
         for bucket in plan.buckets:
             bucket_qs = []
             for pos in compressed_leaves(bucket, cfg):
-                n, m = _as_matrix(bucket.shapes[pos])
+                n, m = _as_matrix(bucket.shapes[pos], orientation)
                 bucket_qs.append(
                     jnp.zeros((m, min(n, m, cfg.matrix_approximation_rank)), bucket.dtype)
                 )
@@ -238,7 +265,7 @@ def powersgd(
         for i, mean in zip(plain, plain_means, strict=True):
             out[i] = mean
 
-        matrices = [grads[i].reshape(_as_matrix(bucket.shapes[i])) for i in chosen]
+        matrices = [_to_matrix(grads[i], orientation) for i in chosen]
         randomize = (not cfg.warm_start) or (state["iter"] == cfg.start_powersgd_iter)
         qs = []
         for k, (matrix, stored) in enumerate(zip(matrices, state["q"][b], strict=True)):
@@ -251,7 +278,7 @@ def powersgd(
         qs = jax.lax.psum([m.T @ p for m, p in zip(matrices, ps, strict=True)], axis) if ps else []
         qs = [q / n_dev for q in qs]
         for i, p, q in zip(chosen, ps, qs, strict=True):
-            out[i] = (p @ q.T).reshape(bucket.shapes[i])
+            out[i] = _from_matrix(p @ q.T, bucket.shapes[i], orientation)
 
         new = dict(state)
         if cfg.warm_start:
@@ -261,7 +288,8 @@ def powersgd(
             new["error"] = (*state["error"][:b], new_error, *state["error"][b + 1 :])
         return out, new
 
-    name = f"powersgd(rank={matrix_approximation_rank}, start={start_powersgd_iter})"
+    torch_side = ", orientation=torch" if orientation == "torch" else ""
+    name = f"powersgd(rank={matrix_approximation_rank}, start={start_powersgd_iter}{torch_side})"
     return CommHook(name, init, _with_start(cfg, _leaves_mean, compress))
 
 

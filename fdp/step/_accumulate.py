@@ -25,7 +25,8 @@ from fdp.bucketing import plan_for
 from fdp.collectives import vary
 from fdp.data._placement import DATA_AXIS
 from fdp.hooks import CommHook, reduce_with_hook
-from fdp.step._batch import batch_rows, place_batch
+from fdp.nn._moments import using_example_mask
+from fdp.step._batch import batch_rows, place_batch, split_mask
 from fdp.step._config import LossFn, StepConfig, StepLayout
 from fdp.step._core import device_rng
 from fdp.step._local_grads import accum_dtype_for
@@ -109,10 +110,13 @@ class GradAccumulator:
             key = device_rng(rng, cfg.axis_name)
             extra = () if key is None else (key,)
 
+            weights = split_mask(mask)[0] if cfg.per_example else None
+
             def objective(p: Any) -> tuple[jax.Array, jax.Array]:
-                loss, _, _ = call_loss(self.loss_fn, cfg, False, p, batch, *extra)
-                if cfg.per_example:
-                    return jnp.sum(mask * loss), jnp.sum(mask)
+                with using_example_mask(weights):  # for fdp.SyncBatchNorm
+                    loss, _, _ = call_loss(self.loss_fn, cfg, False, p, batch, *extra)
+                if weights is not None:
+                    return jnp.sum(weights * loss), jnp.sum(weights)
                 return loss, jnp.ones(())
 
             (loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(
@@ -151,8 +155,14 @@ class GradAccumulator:
             n = jax.lax.axis_size(cfg.axis_name)
             total = jnp.maximum(jax.lax.psum(acc.weight, cfg.axis_name), 1.0)
             # Weighted so that the mean over devices is the mean over all
-            # micro-batches (or all real examples).
-            scale = n / total if cfg.per_example else 1.0 / jnp.maximum(acc.weight, 1.0)
+            # micro-batches (or all real examples), or with accumulate_op='sum'
+            # their sum, as torch's no_sync adds the micro-batch gradients.
+            if cfg.per_example:
+                scale = n / total
+            elif cfg.accumulate_op == "sum":
+                scale = 1.0
+            else:
+                scale = 1.0 / jnp.maximum(acc.weight, 1.0)
             grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), acc.grads, state.params)
             grads, _ = reduce_with_hook(
                 cfg.comm_hook,
@@ -190,6 +200,7 @@ def grad_accumulator(
     comm_hook: CommHook | str | None = None,
     accum_dtype: Any = None,
     per_example: bool = False,
+    accumulate_op: str = "mean",
 ) -> GradAccumulator:
     """DDP's ``no_sync`` as two steps: a local-gradient step and a sync step.
 
@@ -204,7 +215,13 @@ def grad_accumulator(
       layout: ``'auto'``, ``'leaves'`` or ``'flat'`` (see :func:`fdp.train_step`).
       comm_hook: a stateless comm hook for the sync (default: the mean).
       accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
-      per_example: ``loss_fn`` returns one loss per example; ``mask=`` weighs them.
+      per_example: ``loss_fn`` returns one loss per example; ``mask=`` weighs them
+        (every real example the same, over everything accumulated).
+      accumulate_op: ``'mean'`` (default): ``sync`` applies the mean of the
+        accumulated gradients (of the micro-batch mean losses), so K
+        micro-batches make one step on their union; ``'sum'``: their sum, as
+        torch's ``no_sync`` accumulates ``.grad`` (divide your loss by K there
+        to get the mean). ``'sum'`` needs ``per_example=False``.
 
     Returns:
       A :class:`GradAccumulator`.
@@ -215,6 +232,12 @@ def grad_accumulator(
     """
     settings = {k: v for k, v in locals().items() if k != "loss_fn"}
     cfg = StepConfig(**settings)
+    if accumulate_op == "sum" and per_example:
+        raise ValueError(
+            "grad_accumulator(accumulate_op='sum') adds the gradients of mean losses and "
+            "needs per_example=False; with per_example=True it averages over the real "
+            "examples accumulated (accumulate_op='mean')."
+        )
     if cfg.per_device_state:
         raise ValueError(
             f"comm hook {cfg.comm_hook.name!r} lets replicas diverge; grad_accumulator keeps "

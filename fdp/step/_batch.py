@@ -12,6 +12,21 @@ from jax.sharding import PartitionSpec as P
 from fdp.data._rows import leading_size, pad_rows
 from fdp.step._config import StepConfig
 
+# The weight of the rows the step itself pads a per-example batch with, in the mask
+# it places: like a zero weight they are no example, and unlike one they tell the
+# devices that hold only such rows (no part of the caller's batch) from devices whose
+# rows the caller weighed zero (out of data under fdp.join), which torch's Join counts.
+STEP_PADDING = -1.0
+
+
+def split_mask(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A placed mask as ``(weights, holds_rows)``.
+
+    ``weights`` is the mask with the step's padding at zero; ``holds_rows`` is
+    whether any row is part of the caller's batch.
+    """
+    return jnp.maximum(mask, 0.0), jnp.any(mask != STEP_PADDING)
+
 
 def batch_rows(batch: Any, mask: Any, cfg: StepConfig) -> int:
     """The rows the step runs on: the batch's size, padded up to a whole split if allowed.
@@ -76,10 +91,12 @@ def place_batch(batch: Any, mask: Any, rows: int, cfg: StepConfig) -> tuple[Any,
 
     Returns:
       ``(batch, mask)``; ``mask`` is float32 ``[rows]`` in per-example mode
-      (zero for padding), else None.
+      (``STEP_PADDING`` for the rows padded here: see :func:`split_mask`), else
+      None.
     """
     if not cfg.per_example:
         return _place(batch, cfg), None
     size = leading_size(batch) or 0
     mask = jnp.ones((size,), jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
-    return _place(pad_rows(batch, rows), cfg), _place(jnp.pad(mask, (0, rows - size)), cfg)
+    mask = jnp.pad(mask, (0, rows - size), constant_values=STEP_PADDING)
+    return _place(pad_rows(batch, rows), cfg), _place(mask, cfg)

@@ -14,14 +14,18 @@ from jax.sharding import Mesh
 from fdp import _compat
 from fdp.bucketing import cap_limits
 from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
-from fdp.hooks import CommHook, PeriodicModelAverager, resolve
+from fdp.hooks import CommHook, ModelAverager, resolve
 from fdp.hooks._contract import Layout, reduce_scatter_of
 from fdp.step._zero import check_stage
 
 StepLayout = Literal["auto", "leaves", "flat"]
 LAYOUTS = ("auto", "leaves", "flat")
 BUFFER_MODES = ("broadcast", "mean", "local")
+ACCUMULATE_OPS = ("mean", "sum")
+WEIGHTINGS = ("example", "device")
 LossFn = Callable[..., Any]
+# buffers=fn: fn(buffers, axis_name) -> buffers, DDP's buffer comm hook.
+BufferHook = Callable[[Any, str], Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,7 +57,21 @@ class StepConfig:
         their optimizer state) untouched.
       buffers: how model state changed by the forward pass (``batch_stats``) is
         kept in step: ``'broadcast'`` from device 0, ``'mean'`` over the data
-        axis, or ``'local'`` (each device its own).
+        axis, ``'local'`` (each device its own), or a function
+        ``fn(buffers, axis_name) -> buffers`` run on every device (DDP's buffer
+        comm hook).
+      accumulate_op: how the ``accumulate_steps`` micro-batch gradients
+        combine: ``'mean'`` (one step equals one step on the whole batch, as
+        ``optax.MultiSteps``) or ``'sum'`` (torch's ``no_sync``, which adds
+        into ``.grad``).
+      weighting: with ``per_example``, ``'example'`` (every real example weighs
+        the same: one device on the whole batch) or ``'device'`` (each device's
+        mean over its real examples counts once: DDP with different local
+        batch sizes).
+      divide_by_initial_world_size: with ``per_example``, whether devices that
+        hold rows of the batch but no real example (out of data under
+        :func:`fdp.join`) still count in the divisor, as in torch's
+        ``Join`` default.
       zero_stage: ZeRO's stage (DeepSpeed's meaning): 0, DDP; 1, the optimizer
         state sharded over the data axis; 2, also the reduced gradients; 3, also
         the parameters between steps.
@@ -65,7 +83,8 @@ class StepConfig:
       >>> StepConfig(buffers="sync")
       Traceback (most recent call last):
       ...
-      ValueError: buffers must be one of ('broadcast', 'mean', 'local'), got 'sync'.
+      ValueError: buffers must be one of ('broadcast', 'mean', 'local') or a function
+      fn(buffers, axis_name) -> buffers, got 'sync'.
     """
 
     mesh: Mesh | None = None
@@ -76,12 +95,15 @@ class StepConfig:
     donate: bool = True
     layout: StepLayout = "auto"
     comm_hook: CommHook = None  # type: ignore[assignment]  # None or a name: resolved below
-    model_averager: PeriodicModelAverager | None = None
+    model_averager: ModelAverager | None = None
     accumulate_steps: int = 1
     accum_dtype: Any = None
     per_example: bool = False
     find_unused_parameters: bool = False
-    buffers: str = "broadcast"
+    buffers: str | BufferHook = "broadcast"
+    accumulate_op: str = "mean"
+    weighting: str = "example"
+    divide_by_initial_world_size: bool = True
     zero_stage: int = 0
 
     def __post_init__(self) -> None:
@@ -94,10 +116,10 @@ class StepConfig:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
         object.__setattr__(self, "comm_hook", resolve(self.comm_hook))
         averager = self.model_averager
-        if averager is not None and not isinstance(averager, PeriodicModelAverager):
+        if averager is not None and not isinstance(averager, ModelAverager):
             raise TypeError(
-                "model_averager must be a fdp.hooks.PeriodicModelAverager, got "
-                f"{type(averager).__name__}."
+                "model_averager must be a fdp.hooks.PeriodicModelAverager or "
+                f"fdp.hooks.HierarchicalModelAverager, got {type(averager).__name__}."
             )
         steps = self.accumulate_steps
         if isinstance(steps, bool) or not isinstance(steps, int):
@@ -108,8 +130,22 @@ class StepConfig:
             if not jnp.issubdtype(jnp.dtype(self.accum_dtype), jnp.floating):
                 raise ValueError(f"accum_dtype must be a floating dtype, got {self.accum_dtype!r}.")
             object.__setattr__(self, "accum_dtype", np.dtype(jnp.dtype(self.accum_dtype)))
-        if self.buffers not in BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {self.buffers!r}.")
+        if not callable(self.buffers) and self.buffers not in BUFFER_MODES:
+            raise ValueError(
+                f"buffers must be one of {BUFFER_MODES} or a function "
+                f"fn(buffers, axis_name) -> buffers, got {self.buffers!r}."
+            )
+        if self.accumulate_op not in ACCUMULATE_OPS:
+            raise ValueError(
+                f"accumulate_op must be one of {ACCUMULATE_OPS}, got {self.accumulate_op!r}."
+            )
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}.")
+        if self.weighting != "example" and not self.per_example:
+            raise ValueError(
+                f"weighting={self.weighting!r} weighs real examples per device and needs "
+                "per_example=True (a loss_fn returning one loss per example)."
+            )
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
         self._check_zero()
 
@@ -202,7 +238,8 @@ class StepConfig:
         Off for hooks whose collectives JAX cannot type, and on a 1-device axis,
         where fdp's reductions become identities.
         """
-        return self.comm_hook.vma_safe and self.num_replicas > 1
+        averager_safe = self.model_averager is None or self.model_averager.vma_safe
+        return self.comm_hook.vma_safe and averager_safe and self.num_replicas > 1
 
     @property
     def scatters_gradients(self) -> bool:
@@ -267,6 +304,8 @@ class StepConfig:
                 )
             elif isinstance(value, np.dtype):
                 out[field.name] = str(value)
+            elif callable(value):  # a buffer hook: its name, the same on every process
+                out[field.name] = getattr(value, "__qualname__", type(value).__name__)
             elif value is None or isinstance(value, str | int | float | bool):
                 out[field.name] = value
             else:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
 from fdp.hooks import reduce_with_hook
 from fdp.step._config import StepConfig
-from fdp.step._local_grads import Objective, local_gradients
+from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._plan import StepPlan
 from fdp.step._usage import untouched_flags
 from fdp.step._zero import bucket_shard_dims, gather_params
@@ -56,13 +56,16 @@ def device_rng(rng: jax.Array | None, axis_name: str) -> jax.Array | None:
     return jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
 
 
-def sync_buffers(buffers: Any, mode: str, axis_name: str) -> Any:
+def sync_buffers(buffers: Any, mode: Any, axis_name: str) -> Any:
     """Buffers changed per device by the forward pass, made one again.
 
     ``'broadcast'``: device 0's values (DDP's ``broadcast_buffers=True``).
     ``'mean'``: floating buffers averaged over the data axis (integer ones from
-    device 0). ``'local'``: left as they are, one per device.
+    device 0). ``'local'``: left as they are, one per device. A function:
+    ``mode(buffers, axis_name)`` (DDP's buffer comm hook).
     """
+    if callable(mode):
+        return mode(buffers, axis_name)
     if mode == "local" or axis_size(axis_name) == 1:
         return buffers
 
@@ -140,6 +143,7 @@ def reduce_step(
         accumulate_steps=config.accumulate_steps,
         accum_dtype=config.accum_dtype,
         per_example=config.per_example,
+        weights=LossWeights.of(config),
         mask=mask,
         rng=device_rng(rng, axis),
         track=plan.usage.conditional if tracked else (),

@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import plan_for
 from fdp.data._placement import DATA_AXIS
-from fdp.hooks import CommHook, PeriodicModelAverager
+from fdp.hooks import CommHook, ModelAverager
 from fdp.observe._stats import StatsSchedule
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
-from fdp.step._config import LossFn, StepConfig, StepLayout
+from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
 from fdp.step._core import reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
@@ -267,13 +267,16 @@ def train_step(
     donate: bool = True,
     layout: StepLayout = "auto",
     comm_hook: CommHook | str | None = None,
-    model_averager: PeriodicModelAverager | None = None,
+    model_averager: ModelAverager | None = None,
     accumulate_steps: int = 1,
     accum_dtype: Any = None,
     per_example: bool = False,
     find_unused_parameters: bool = False,
-    buffers: str = "broadcast",
+    buffers: str | BufferHook = "broadcast",
     stats: bool | StatsSchedule = False,
+    accumulate_op: str = "mean",
+    weighting: str = "example",
+    divide_by_initial_world_size: bool = True,
     zero_stage: int = 0,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
@@ -302,8 +305,9 @@ def train_step(
         bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
       comm_hook: a :class:`fdp.hooks.CommHook` or a hook name (default: the
         mean all-reduce). Hooks with state need :class:`fdp.TrainState`.
-      model_averager: a :class:`fdp.hooks.PeriodicModelAverager` that averages
-        parameters over the data axis periodically (post-local SGD).
+      model_averager: a :class:`fdp.hooks.PeriodicModelAverager` or
+        :class:`fdp.hooks.HierarchicalModelAverager` that averages parameters
+        over the data axis (or subgroups of it) periodically (post-local SGD).
       accumulate_steps: split each device's share into this many micro-batches,
         accumulate their gradients locally and reduce once (DDP's ``no_sync``).
       accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
@@ -316,10 +320,24 @@ def train_step(
         untouched in steps where no device used them.
       buffers: how ``state.batch_stats`` updated by the forward pass is kept:
         ``'broadcast'`` (device 0's, DDP's default), ``'mean'`` (averaged over
-        the data axis) or ``'local'`` (one copy per device).
+        the data axis), ``'local'`` (one copy per device), or a function
+        ``fn(batch_stats, axis_name) -> batch_stats`` run on every device
+        inside the step (DDP's buffer comm hook).
       stats: sample runtime statistics (``step.stats()``) at any debug level:
         ``True`` (steps 1-10, then every 100th) or a :class:`fdp.StatsSchedule`.
         They are sampled at ``FDP_DEBUG=INFO`` and above anyway.
+      accumulate_op: how the ``accumulate_steps`` micro-batch gradients combine:
+        ``'mean'`` (default: a step equals one step on the whole batch, as
+        ``optax.MultiSteps``) or ``'sum'`` (torch's ``no_sync``, which adds
+        into ``.grad``: K times the mean's gradient).
+      weighting: with ``per_example``: ``'example'`` (default: every real
+        example weighs the same, as one device on the concatenated batch) or
+        ``'device'`` (each device's mean over its real examples counts once,
+        as DDP with different local batch sizes).
+      divide_by_initial_world_size: with ``per_example``: devices that hold
+        rows of the batch but no real example (out of data under
+        :func:`fdp.join`) still count in the divisor (default, torch's
+        ``Join``); ``False`` divides over the devices with data only.
       zero_stage: shard over the data axis as ZeRO does (DeepSpeed's stages):
         ``0`` DDP (everything whole on every device); ``1`` the optimizer state;
         ``2`` also the reduced gradients (each bucket is reduce-scattered);

@@ -5,13 +5,25 @@ locally (in float32 for 16-bit parameters), and nothing crosses devices until th
 one bucketed reduction that follows.
 
 The objective each device differentiates is weighted so that the *mean over
-devices* of the local gradients is the gradient of the loss over the whole batch:
+the N devices* of the local gradients is the gradient the step applies:
 
 - ``per_example=False``: the loss function returns the mean loss of its
-  micro-batch; each micro-batch weighs ``1/K``.
-- ``per_example=True``: it returns one loss per example; a device's objective is
-  ``N * sum(mask * loss) / total``, with ``total`` the number of real (unmasked)
-  examples over all devices, so padding and empty devices weigh nothing.
+  micro-batch; each micro-batch weighs ``1/K`` (``accumulate_op='mean'``: the
+  gradient of the whole batch) or ``1`` (``'sum'``: torch's ``no_sync``).
+- ``per_example=True``: it returns one loss per example, weighed by the mask
+  ``w``. With ``c`` a device's real examples (``sum(w)``), ``R`` their sum over
+  devices, ``A`` the devices with ``c > 0`` and ``H`` the devices holding rows
+  of the caller's batch, a device's objective is ``N * s * sum(w * loss)`` with
+
+  - ``weighting='example'``: ``s = 1 / R``, times ``A / H`` with
+    ``divide_by_initial_world_size`` (a device out of data counts as one with the
+    others' mean number of examples, so with equal batches this is torch's
+    division by the initial world size);
+  - ``weighting='device'``: ``s = 1 / (c * D)``, each device's mean counting
+    once, ``D = H`` with ``divide_by_initial_world_size`` (torch's default),
+    else ``A``;
+
+  and ``K`` times that with ``accumulate_op='sum'``.
 """
 
 from __future__ import annotations
@@ -24,11 +36,51 @@ import jax
 import jax.numpy as jnp
 
 from fdp.collectives import mean_over, sum_over, vary
+from fdp.nn._moments import using_example_mask
+from fdp.step._batch import split_mask
 from fdp.step._usage import nonzero_flags
 
 # objective(params, micro_batch, carry, rng) -> (loss, aux, new_carry); ``loss`` is a
 # scalar mean, or one value per example with per_example=True.
 Objective = Callable[[Any, Any, Any, Any], tuple[jax.Array, Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWeights:
+    """How the local losses are weighed: the step's settings of the same names.
+
+    Attributes:
+      accumulate_op: ``'mean'`` or ``'sum'`` of the micro-batch gradients.
+      weighting: ``'example'`` or ``'device'`` (per-example losses only).
+      divide_by_initial_world_size: devices out of data count in the divisor.
+    """
+
+    accumulate_op: str = "mean"
+    weighting: str = "example"
+    divide_by_initial_world_size: bool = True
+
+    @classmethod
+    def of(cls, config: Any) -> LossWeights:
+        """The weights a :class:`fdp.step.StepConfig` asks for."""
+        return cls(config.accumulate_op, config.weighting, config.divide_by_initial_world_size)
+
+
+def _example_scale(
+    weights: jax.Array, axis_name: str, how: LossWeights
+) -> tuple[jax.Array, jax.Array]:
+    """``(s, R)``: the scale of this device's weighted loss sum, and the real examples."""
+    w, holds = split_mask(weights)
+    count = jnp.sum(w)
+    # One small all-reduce: real examples, devices with some, devices holding rows.
+    local = jnp.stack([count, (count > 0).astype(count.dtype), holds.astype(count.dtype)])
+    total, active, holding = sum_over(local, axis_name)
+    total, holding = jnp.maximum(total, 1.0), jnp.maximum(holding, 1.0)
+    if how.weighting == "device":
+        divisor = holding if how.divide_by_initial_world_size else jnp.maximum(active, 1.0)
+        return 1.0 / (jnp.maximum(count, 1.0) * divisor), total
+    if how.divide_by_initial_world_size:
+        return active / (holding * total), total
+    return 1.0 / total, total
 
 
 @dataclasses.dataclass
@@ -97,6 +149,7 @@ def local_gradients(
     accumulate_steps: int = 1,
     accum_dtype: Any = None,
     per_example: bool = False,
+    weights: LossWeights = LossWeights(),
     mask: jax.Array | None = None,
     rng: jax.Array | None = None,
     track: Sequence[int] = (),
@@ -112,8 +165,9 @@ def local_gradients(
       accumulate_steps: number of micro-batches K.
       accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
       per_example: the objective returns one loss per example.
+      weights: how the losses are weighed (see the module's docstring).
       mask: this device's ``[K*B]`` weights (per-example mode), 1 for real
-        examples and 0 for padding.
+        examples, 0 for padding, ``STEP_PADDING`` for the step's own padding.
       rng: this device's key, folded with the micro-batch index when K > 1.
       track: indices of parameter leaves whose run-time use is recorded.
 
@@ -125,13 +179,16 @@ def local_gradients(
     leaves, treedef = jax.tree.flatten(params)
     dtypes = [jnp.result_type(x) for x in leaves]
     acc_dtypes = [accum_dtype_for(d, accum_dtype) for d in dtypes]
+    repeats = k if weights.accumulate_op == "sum" else 1  # torch's no_sync adds K gradients
     if per_example:
         size = jax.tree.leaves(batch)[0].shape[0]
         local_mask = jnp.ones((size,), jnp.float32) if mask is None else mask
-        total: jax.Array | None = jnp.maximum(sum_over(jnp.sum(local_mask), axis_name), 1.0)
-        micro_masks = local_mask.reshape(k, -1)
+        scale, total = _example_scale(local_mask, axis_name, weights)
+        scale = scale * (n * repeats)
+        total_or_none: jax.Array | None = total
+        micro_masks = split_mask(local_mask)[0].reshape(k, -1)
     else:
-        micro_masks, total = jnp.zeros((k, 0)), None
+        micro_masks, total_or_none, scale = jnp.zeros((k, 0)), None, None
 
     def micro(state: tuple, xs: tuple) -> tuple[tuple, Any]:
         acc, carry, loss_acc, used = state
@@ -140,11 +197,13 @@ def local_gradients(
         micro_rng = rng if rng is None or k == 1 else jax.random.fold_in(rng, index)
 
         def weighted(p: Any) -> tuple[jax.Array, tuple]:
-            loss, aux, new_carry = objective(p, micro_batch, carry, micro_rng)
-            if total is not None:  # per-example: weighed by the real examples
+            # Layers that take statistics (fdp.SyncBatchNorm) read the real examples.
+            with using_example_mask(micro_mask if scale is not None else None):
+                loss, aux, new_carry = objective(p, micro_batch, carry, micro_rng)
+            if scale is not None:  # per-example: weighed by the real examples
                 loss_sum = jnp.sum(micro_mask * loss)
-                return loss_sum * n / total, (loss_sum, aux, new_carry)
-            return loss / k, (loss / k, aux, new_carry)
+                return loss_sum * scale, (loss_sum, aux, new_carry)
+            return loss * (repeats / k), (loss / k, aux, new_carry)
 
         (_, (loss_part, aux, carry)), grads = jax.value_and_grad(weighted, has_aux=True)(params)
         grad_leaves = jax.tree.leaves(grads)
@@ -166,4 +225,4 @@ def local_gradients(
         state, aux = jax.lax.scan(micro, state0, xs)
     acc, carry, loss_acc, used = state
     grads = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(acc, dtypes, strict=True)])
-    return LocalGrads(grads, loss_acc, total, _combine_aux(aux, k), carry, used)
+    return LocalGrads(grads, loss_acc, total_or_none, _combine_aux(aux, k), carry, used)

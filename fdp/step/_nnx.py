@@ -16,7 +16,7 @@ from fdp.data._placement import DATA_AXIS, replicate
 from fdp.hooks import CommHook
 from fdp.observe._stats import StatsSchedule
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
-from fdp.step._config import LossFn, StepConfig, StepLayout
+from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
 from fdp.step._core import reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
@@ -300,8 +300,11 @@ def nnx_train_step(
     accum_dtype: Any = None,
     per_example: bool = False,
     find_unused_parameters: bool = False,
-    buffers: str = "broadcast",
+    buffers: str | BufferHook = "broadcast",
     stats: bool | StatsSchedule = False,
+    accumulate_op: str = "mean",
+    weighting: str = "example",
+    divide_by_initial_world_size: bool = True,
     zero_stage: int = 0,
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
@@ -334,11 +337,18 @@ def nnx_train_step(
         are padded and masked, and ``mask=`` weighs examples.
       find_unused_parameters: leave parameters that do not reach the loss, and
         their optimizer state, untouched (see :func:`fdp.train_step`).
-      buffers: ``'broadcast'`` (device 0's batch statistics) or ``'mean'``
-        (averaged over the data axis). ``'local'`` needs one model per device:
-        use :func:`fdp.train_step`.
+      buffers: ``'broadcast'`` (device 0's batch statistics), ``'mean'``
+        (averaged over the data axis) or a function ``fn(state, axis_name) ->
+        state`` of the non-parameter state. ``'local'`` needs one model per
+        device: use :func:`fdp.train_step`.
       stats: sample runtime statistics (``step.stats()``) at any debug level;
         see :func:`fdp.train_step`.
+      accumulate_op: ``'mean'`` or ``'sum'`` (torch's ``no_sync``); see
+        :func:`fdp.train_step`.
+      weighting: ``'example'`` or ``'device'`` (per-example losses); see
+        :func:`fdp.train_step`.
+      divide_by_initial_world_size: torch's ``Join`` option; see
+        :func:`fdp.train_step`.
       zero_stage: ZeRO's stage 0-3 (see :func:`fdp.train_step` and docs/zero.md).
 
     Returns:

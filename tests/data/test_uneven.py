@@ -67,7 +67,12 @@ def test_devices_that_run_out_early_take_part_with_zero_weight():
     init = make_state("mlp", "adam")
     streams = [device_stream(data, s, n) for s, n in zip(starts, lengths, strict=True)]
     like = {k: v[:2] for k, v in data.items()}
-    step = fdp.train_step(per_example(init.apply_fn), per_example=True)
+    # The mean over the real examples of each step: torch's Join with
+    # divide_by_initial_world_size=False when batches are full (torch's default, True,
+    # is checked against its formula in tests/step/test_weighting.py).
+    step = fdp.train_step(
+        per_example(init.apply_fn), per_example=True, divide_by_initial_world_size=False
+    )
     state, steps, real = fdp.replicate(init), 0, []
     for batch, mask in fdp.join(*streams, batch_size=2, like=like):
         state, _ = step(state, fdp.shard_batch(batch), mask=fdp.shard_batch(mask))

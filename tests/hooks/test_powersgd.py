@@ -27,18 +27,24 @@ def np_orth(m, eps=0.0):
     return m
 
 
-def np_powersgd(flat, bucket, chosen, stored_qs):
-    """One compressed step on every device's flat buffer (error already added)."""
+def np_powersgd(flat, bucket, chosen, stored_qs, torch_orientation=False):
+    """One compressed step on every device's flat buffer (error already added).
+
+    torch_orientation: compress each matrix transposed, (out, in), as torch does.
+    """
     leaves = split_flat(flat, bucket)
     out = [leaf.mean(0) for leaf in leaves]
     new_qs = []
     for k, i in enumerate(chosen):
         shape = bucket.shapes[i]
         mats = leaves[i].reshape(N, math.prod(shape[:-1]), shape[-1]).astype(np.float64)
+        if torch_orientation:
+            mats = mats.transpose(0, 2, 1)
         q = np_orth(stored_qs[k])
         p = np_orth(sum(m @ q for m in mats))
         q = sum(m.T @ p for m in mats) / N
-        out[i] = (p @ q.T).reshape(shape)
+        approx = (p @ q.T).T if torch_orientation else p @ q.T
+        out[i] = approx.reshape(shape)
         new_qs.append(q)
     result = np.concatenate([o.reshape(-1) for o in out])
     return out, flat - result[None], new_qs
@@ -115,6 +121,33 @@ def test_warm_start_reuses_q():
     # ...while without it nothing is carried and step 3 draws a new Q.
     assert all(not q.any() for q in cold_states[3]["q"][0])
     assert not np.allclose(cold_outs[3]["w"][0], warm_outs[3]["w"][0], atol=1e-3)
+
+
+def test_torch_orientation_compresses_the_transposed_matrix():
+    shapes = {"w": (24, 20), "v": (20, 6), "b": (6,)}
+    steps = [make_grads(20 + s, shapes) for s in range(4)]
+    plan = plan_of(steps[0])
+    (bucket,) = plan.buckets
+    chosen = compressed_leaves(bucket, PowerSGDConfig(2, 2, 2.0))
+    runs = {
+        side: run_hook(
+            hooks.powersgd(matrix_approximation_rank=2, start_powersgd_iter=2, orientation=side),
+            steps,
+            plan,
+        )
+        for side in ("kernel", "torch")
+    }
+    outs, states = runs["torch"]
+    # Q lives on the input side in torch's orientation: (in, r) for an (in, out) kernel.
+    assert [q.shape[1:] for q in states[3]["q"][0]] == [(24, 2), (20, 2)]
+    flat = bucket_flat(steps[3], bucket) + states[2]["error"][0]
+    stored = [q[0] for q in states[2]["q"][0]]
+    want, want_error, _ = np_powersgd(flat, bucket, chosen, stored, torch_orientation=True)
+    for i, name in enumerate(("w", "v", "b")):
+        np.testing.assert_allclose(outs[3][name][0], want[i], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(states[3]["error"][0], want_error, rtol=1e-4, atol=1e-5)
+    # The orientation changes the result (P is orthogonalised on the other side).
+    assert not np.allclose(runs["kernel"][0][3]["w"][0], outs[3]["w"][0], atol=1e-4)
 
 
 def test_min_compression_rate_decides_which_leaves_are_compressed():

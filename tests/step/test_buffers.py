@@ -75,6 +75,22 @@ def test_mean_averages_the_statistics_over_devices():
     )
 
 
+def max_over_devices(buffers, axis_name):
+    """A buffer comm hook (DDP's _register_buffer_comm_hook): the largest value wins."""
+    return jax.tree.map(lambda x: jax.lax.pmax(x, axis_name), buffers)
+
+
+def test_a_buffer_comm_hook_decides_how_statistics_are_synced():
+    state, loss_fn = setup()
+    batch = make_data(4, 16)
+    step = fdp.train_step(loss_fn, buffers=max_over_devices)
+    new, _ = step(fdp.replicate(state), fdp.shard_batch(batch))
+    per_device = [stats_after_forward(state, batch["x"][2 * d : 2 * d + 2]) for d in range(8)]
+    want = jax.tree.map(lambda *s: np.max(s, axis=0), *per_device)
+    chex.assert_trees_all_close(new.batch_stats, want, rtol=1e-5, atol=1e-6)
+    assert step.config.describe()["buffers"] == "max_over_devices"  # the same on every process
+
+
 def test_local_keeps_one_copy_per_device():
     state, loss_fn = setup()
     batch = make_data(2, 16)
