@@ -42,7 +42,9 @@ def loss_fn(params, batch):
 
 
 state = fdp.replicate(init)
-step = fdp.train_step(loss_fn, per_example=True)
+# The mean over the real examples of each step (torch's divide_by_initial_world_size=False):
+# the reference the test computes on one device. torch's default is tested in one process.
+step = fdp.train_step(loss_fn, per_example=True, divide_by_initial_world_size=False)
 steps = 0
 joined = fdp.join(
     iter(batches), batch_size=4, like=make_data(0, 4), throw_on_early_termination=args.throw
