@@ -5,6 +5,7 @@ import math
 import jax
 import numpy as np
 from _hook_harness import N, bucket_flat, make_grads, run_hook, split_flat
+from jax.sharding import PartitionSpec as P
 
 import fdp
 from fdp import hooks
@@ -249,6 +250,20 @@ def test_batch_tensors_with_same_shape_matches_unbatched_and_numpy():
         name = path.strip("[]'")
         np.testing.assert_allclose(outs[3][name][0], want[i], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(states[3]["error"][0], want_error, rtol=1e-4, atol=1e-5)
-    assert (
-        "batch_tensors_with_same_shape" in hooks.powersgd(batch_tensors_with_same_shape=True).name
-    )
+    hook = hooks.powersgd(batch_tensors_with_same_shape=True)
+    assert hook.name == "powersgd(rank=1, start=1000, batch_tensors_with_same_shape)"
+    # The three (24, 20) matrices really go through the power iteration as one stack.
+    local = jax.tree.map(lambda x: x[0], steps[0])
+    for batch in (False, True):
+        h = hooks.powersgd(
+            start_powersgd_iter=0,
+            use_error_feedback=False,
+            warm_start=False,
+            batch_tensors_with_same_shape=batch,
+        )
+
+        def body(g, h=h):
+            return hooks.reduce_with_hook(h, h.init(g, plan), g, plan=plan)[0]
+
+        f = jax.shard_map(body, mesh=fdp.data_mesh(), in_specs=P(), out_specs=P(), check_vma=False)
+        assert ("f32[3,24,20]" in str(jax.make_jaxpr(f)(local))) == batch
