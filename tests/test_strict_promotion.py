@@ -70,10 +70,17 @@ CASES = {
     "quantize": {"comm_hook": "quantize_per_channel"},
     "powersgd": {"comm_hook": fdp.hooks.powersgd(start_powersgd_iter=2)},
     "batched_powersgd": {"comm_hook": fdp.hooks.batched_powersgd(start_powersgd_iter=2)},
+    "powersgd_batched_shapes": {
+        "comm_hook": fdp.hooks.powersgd(start_powersgd_iter=2, batch_tensors_with_same_shape=True)
+    },
     "noop": {"comm_hook": "noop"},
     "local_sgd": {
         "comm_hook": fdp.hooks.post_local_sgd(1, subgroup_size=4),
         "model_averager": fdp.hooks.PeriodicModelAverager(period=2, warmup_steps=1),
+    },
+    "hierarchical_sgd": {
+        "comm_hook": fdp.hooks.post_local_sgd(1, subgroup_size=2),
+        "model_averager": fdp.hooks.HierarchicalModelAverager({1: 4, 2: 8}, warmup_steps=1),
     },
 }
 

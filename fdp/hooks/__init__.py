@@ -22,6 +22,8 @@ from fdp.hooks._local_sgd import post_local_sgd as post_local_sgd
 from fdp.hooks._powersgd import PowerSGDConfig as PowerSGDConfig
 from fdp.hooks._powersgd import batched_powersgd as batched_powersgd
 from fdp.hooks._powersgd import powersgd as powersgd
+from fdp.hooks._powersgd_stats import PowerSGDCompressionStats as PowerSGDCompressionStats
+from fdp.hooks._powersgd_stats import powersgd_compression_stats as powersgd_compression_stats
 from fdp.hooks._quantize import quantize_per_channel as quantize_per_channel
 from fdp.hooks._quantize import quantize_per_tensor as quantize_per_tensor
 from fdp.hooks._registry import HOOKS as HOOKS
@@ -34,6 +36,7 @@ __all__ = [
     "HierarchicalModelAverager",
     "ModelAverager",
     "PeriodicModelAverager",
+    "PowerSGDCompressionStats",
     "PowerSGDConfig",
     "allreduce",
     "batched_powersgd",
@@ -44,6 +47,7 @@ __all__ = [
     "noop",
     "post_local_sgd",
     "powersgd",
+    "powersgd_compression_stats",
     "quantize_per_channel",
     "quantize_per_tensor",
     "reduce_with_hook",

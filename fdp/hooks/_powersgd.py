@@ -51,6 +51,9 @@ class PowerSGDConfig:
       orientation: ``'kernel'``: a gradient ``(..., k)`` as the matrix
         ``(prod(...), k)``; ``'torch'``: its transpose, as torch views the same
         weight stored ``(out, in...)``.
+      batch_tensors_with_same_shape: compress the matrices of a bucket that
+        have the same shape as one stacked batch (torch's option of that name):
+        fewer, larger operations, the same results up to rounding.
     """
 
     matrix_approximation_rank: int = 1
@@ -61,6 +64,7 @@ class PowerSGDConfig:
     orthogonalization_epsilon: float = 0.0
     random_seed: int = 0
     orientation: str = dataclasses.field(default="kernel", kw_only=True)
+    batch_tensors_with_same_shape: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.orientation not in ("kernel", "torch"):
@@ -135,6 +139,55 @@ def orthogonalize(matrix: jax.Array, epsilon: float = 0.0) -> jax.Array:
     return jnp.stack(cols, axis=1)
 
 
+def _power_step(
+    matrices: list[jax.Array], qs: list[jax.Array], cfg: PowerSGDConfig, bucket: GradBucket
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """P and Q of one power iteration from orthogonalised ``qs`` (2-D, or stacked 3-D)."""
+    axis, eps = bucket.axis_name, cfg.orthogonalization_epsilon
+    if not matrices:
+        return [], []
+
+    def orth(x: jax.Array) -> jax.Array:
+        if x.ndim == 2:
+            return orthogonalize(x, eps)
+        return jax.vmap(lambda y: orthogonalize(y, eps))(x)
+
+    def t(x: jax.Array) -> jax.Array:
+        return jnp.swapaxes(x, -1, -2)
+
+    # P need not be divided by the world size: it is orthogonalised next.
+    ps = jax.lax.psum([m @ q for m, q in zip(matrices, qs, strict=True)], axis)
+    ps = [orth(p) for p in ps]
+    qs = jax.lax.psum([t(m) @ p for m, p in zip(matrices, ps, strict=True)], axis)
+    return ps, [q / bucket.num_replicas for q in qs]
+
+
+def same_shape_groups(shapes: list[tuple[int, ...]]) -> list[list[int]]:
+    """Positions of equal shapes, grouped in order of first appearance (torch's batching)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, shape in enumerate(shapes):
+        groups.setdefault(tuple(shape), []).append(k)
+    return list(groups.values())
+
+
+def _power_step_by_shape(
+    matrices: list[jax.Array], qs: list[jax.Array], cfg: PowerSGDConfig, bucket: GradBucket
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """:func:`_power_step` on the same-shaped matrices stacked, results unstacked."""
+    groups = same_shape_groups([m.shape for m in matrices])
+    stacked_ps, stacked_qs = _power_step(
+        [jnp.stack([matrices[k] for k in g]) for g in groups],
+        [jnp.stack([qs[k] for k in g]) for g in groups],
+        cfg,
+        bucket,
+    )
+    ps_at, qs_at = {}, {}
+    for g, p_batch, q_batch in zip(groups, stacked_ps, stacked_qs, strict=True):
+        for j, k in enumerate(g):
+            ps_at[k], qs_at[k] = p_batch[j], q_batch[j]
+    return [ps_at[k] for k in range(len(matrices))], [qs_at[k] for k in range(len(matrices))]
+
+
 def _random_q(cfg: PowerSGDConfig, it: jax.Array, bucket: int, leaf: int, shape: tuple, dtype: Any):
     # Same on every device (seed, iteration and position are), new at every step.
     key = jax.random.fold_in(jax.random.key(cfg.random_seed), it)
@@ -195,6 +248,7 @@ def powersgd(
     random_seed: int = 0,
     *,
     orientation: str = "kernel",
+    batch_tensors_with_same_shape: bool = False,
 ) -> CommHook:
     """DDP's ``powerSGD_hook``: layer-wise rank-r compression of each bucket.
 
@@ -213,6 +267,10 @@ def powersgd(
         ``(out, in...)``). The columns of torch's matrix are ordered
         ``(in, h, w)`` and fdp's ``(h, w, in)`` for convolutions, which is the
         same compression given the matching rows of Q.
+      batch_tensors_with_same_shape: compress the same-shaped matrices of a
+        bucket as one stacked batch (torch's option): fewer, larger matrix
+        products and collectives; the results equal the unbatched ones up to
+        rounding (each matrix keeps its own random Q).
 
     Returns:
       The hook. Its state holds the iteration count, each bucket's error buffer
@@ -235,6 +293,7 @@ def powersgd(
         orthogonalization_epsilon,
         random_seed,
         orientation=orientation,
+        batch_tensors_with_same_shape=batch_tensors_with_same_shape,
     )
 
     def init(params: Any, plan: BucketPlan) -> HookState:
@@ -254,7 +313,7 @@ def powersgd(
         return {"iter": jnp.zeros((), jnp.int32), "error": errors, "q": tuple(qs)}
 
     def compress(state: dict, bucket: GradBucket) -> tuple[list[jax.Array], dict]:
-        n_dev, axis, b = bucket.num_replicas, bucket.axis_name, bucket.index
+        axis, b = bucket.axis_name, bucket.index
         flat_in = bucket.buffer + state["error"][b] if cfg.use_error_feedback else None
         grads = list(bucket.gradients) if flat_in is None else bucket.unpack(flat_in)
         chosen = compressed_leaves(bucket.meta, cfg)
@@ -272,11 +331,8 @@ def powersgd(
             fresh = _random_q(cfg, state["iter"], b, k, stored.shape, matrix.dtype)
             q = jnp.where(randomize, fresh, stored)
             qs.append(orthogonalize(q, cfg.orthogonalization_epsilon))
-        # P need not be divided by the world size: it is orthogonalised next.
-        ps = jax.lax.psum([m @ q for m, q in zip(matrices, qs, strict=True)], axis) if qs else []
-        ps = [orthogonalize(p, cfg.orthogonalization_epsilon) for p in ps]
-        qs = jax.lax.psum([m.T @ p for m, p in zip(matrices, ps, strict=True)], axis) if ps else []
-        qs = [q / n_dev for q in qs]
+        step = _power_step_by_shape if cfg.batch_tensors_with_same_shape else _power_step
+        ps, qs = step(matrices, qs, cfg, bucket)
         for i, p, q in zip(chosen, ps, qs, strict=True):
             out[i] = _from_matrix(p @ q.T, bucket.shapes[i], orientation)
 
@@ -288,8 +344,9 @@ def powersgd(
             new["error"] = (*state["error"][:b], new_error, *state["error"][b + 1 :])
         return out, new
 
-    torch_side = ", orientation=torch" if orientation == "torch" else ""
-    name = f"powersgd(rank={matrix_approximation_rank}, start={start_powersgd_iter}{torch_side})"
+    extra = ", orientation=torch" if orientation == "torch" else ""
+    extra += ", batch_tensors_with_same_shape" if batch_tensors_with_same_shape else ""
+    name = f"powersgd(rank={matrix_approximation_rank}, start={start_powersgd_iter}{extra})"
     return CommHook(name, init, _with_start(cfg, _leaves_mean, compress))
 
 

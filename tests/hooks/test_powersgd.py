@@ -5,10 +5,13 @@ import math
 import jax
 import numpy as np
 from _hook_harness import N, bucket_flat, make_grads, run_hook, split_flat
+from jax.sharding import PartitionSpec as P
 
 import fdp
 from fdp import hooks
-from fdp.hooks._powersgd import PowerSGDConfig, compressed_leaves
+from fdp.hooks._powersgd import PowerSGDConfig, compressed_leaves, same_shape_groups
+
+CFG = PowerSGDConfig(2, 2, 2.0)
 
 
 def plan_of(grads):
@@ -207,3 +210,60 @@ def test_batched_powersgd_at_full_rank_is_the_exact_mean():
     )
     (out,), _ = run_hook(hook, [grads], plan_of(grads))
     np.testing.assert_allclose(out["w"][0], grads["w"].mean(0), rtol=1e-4, atol=1e-5)
+
+
+def test_batch_tensors_with_same_shape_matches_unbatched_and_numpy():
+    # Three (24, 20) matrices batched together, one (20, 6) alone, a vector plain.
+    shapes = {"a": (24, 20), "v": (20, 6), "c": (24, 20), "b": (6,), "d": (24, 20)}
+    steps = [make_grads(30 + s, shapes) for s in range(4)]
+    plan = plan_of(steps[0])
+    (bucket,) = plan.buckets
+    chosen = compressed_leaves(bucket, CFG)
+    paths = [bucket.key_paths[i].strip("[]'") for i in chosen]
+    groups = same_shape_groups([bucket.shapes[i] for i in chosen])
+    assert sorted(sorted(paths[k] for k in g) for g in groups) == [["a", "c", "d"], ["v"]]
+    runs = {
+        batch: run_hook(
+            hooks.powersgd(
+                matrix_approximation_rank=2,
+                start_powersgd_iter=2,
+                batch_tensors_with_same_shape=batch,
+            ),
+            steps,
+            plan,
+        )
+        for batch in (False, True)
+    }
+    (outs, states), (plain_outs, plain_states) = runs[True], runs[False]
+    for t in (2, 3):  # equal to the unbatched results up to rounding (each keeps its Q)
+        for name in shapes:
+            np.testing.assert_allclose(outs[t][name], plain_outs[t][name], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(states[t]["error"][0], plain_states[t]["error"][0], atol=1e-5)
+    # Step 3 against numpy from the stored Qs, which keep the unbatched layout.
+    assert [q.shape[1:] for q in states[3]["q"][0]] == [
+        (6, 2) if p == "v" else (20, 2) for p in paths
+    ]
+    flat = bucket_flat(steps[3], bucket) + states[2]["error"][0]
+    stored = [q[0] for q in states[2]["q"][0]]
+    want, want_error, _ = np_powersgd(flat, bucket, chosen, stored)
+    for i, path in enumerate(bucket.key_paths):
+        name = path.strip("[]'")
+        np.testing.assert_allclose(outs[3][name][0], want[i], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(states[3]["error"][0], want_error, rtol=1e-4, atol=1e-5)
+    hook = hooks.powersgd(batch_tensors_with_same_shape=True)
+    assert hook.name == "powersgd(rank=1, start=1000, batch_tensors_with_same_shape)"
+    # The three (24, 20) matrices really go through the power iteration as one stack.
+    local = jax.tree.map(lambda x: x[0], steps[0])
+    for batch in (False, True):
+        h = hooks.powersgd(
+            start_powersgd_iter=0,
+            use_error_feedback=False,
+            warm_start=False,
+            batch_tensors_with_same_shape=batch,
+        )
+
+        def body(g, h=h):
+            return hooks.reduce_with_hook(h, h.init(g, plan), g, plan=plan)[0]
+
+        f = jax.shard_map(body, mesh=fdp.data_mesh(), in_specs=P(), out_specs=P(), check_vma=False)
+        assert ("f32[3,24,20]" in str(jax.make_jaxpr(f)(local))) == batch
