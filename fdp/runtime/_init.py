@@ -14,6 +14,7 @@ from types import TracebackType
 import jax
 
 from fdp._compat import config_value
+from fdp._validate import MAX_TIMEOUT_MS, check_number
 from fdp.runtime import _config
 
 # What init learnt about this host, for local_rank() and local_world_size().
@@ -96,6 +97,15 @@ def init(
       >>> fdp.process_index(), fdp.process_count(), fdp.local_rank()
       (0, 1, 0)
     """
+    timeouts = {
+        name: check_number(value, name, allow_inf=True)
+        for name, value in (
+            ("initialization_timeout", initialization_timeout),
+            ("heartbeat_timeout", heartbeat_timeout),
+            ("shutdown_timeout", shutdown_timeout),
+        )
+    }
+    initialization_timeout = timeouts["initialization_timeout"]
     settings = _config.resolve(
         coordinator_address,
         num_processes,
@@ -136,9 +146,9 @@ def init(
         jax.distributed.initialize(
             **kwargs,
             local_device_ids=local_device_ids,
-            initialization_timeout=max(1, round(deadline - time.monotonic())),
-            heartbeat_timeout_seconds=max(1, round(heartbeat_timeout)),
-            shutdown_timeout_seconds=max(1, round(shutdown_timeout)),
+            initialization_timeout=_seconds(deadline - time.monotonic()),
+            heartbeat_timeout_seconds=_seconds(timeouts["heartbeat_timeout"]),
+            shutdown_timeout_seconds=_seconds(timeouts["shutdown_timeout"]),
         )
     except RuntimeError as e:
         if "before any JAX calls" in str(e):
@@ -150,6 +160,11 @@ def init(
         raise
     if fail_fast:
         sys.excepthook = _exit_on_uncaught
+
+
+def _seconds(timeout: float) -> int:
+    """Whole seconds for JAX, at least 1; ``inf`` becomes the longest wait JAX takes."""
+    return max(1, round(min(timeout, MAX_TIMEOUT_MS // 1000)))
 
 
 def _wait_for_coordinator(address: str, timeout: float, settings: _config.Settings) -> None:
