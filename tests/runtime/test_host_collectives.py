@@ -176,7 +176,8 @@ def test_two_processes_by_hand_with_fdp_variables(marker):
 
 
 def test_a_faulty_peer_gets_errors_that_name_the_key_the_peer_and_the_expectation(marker):
-    """Garbage payload, a stray key, a different collective: fdp's errors, and then on."""
+    """Garbage payload, a stray key, a different collective, unequal local batches (8 and 6
+    rows, which main trained on silently): fdp's errors, and then on."""
     out = launch(["--nproc-per-node", "2"], "hostile.py", [], marker, timeout=120)
     assert out.returncode == 0, out.output
     res = results(out.stdout)
@@ -190,6 +191,10 @@ def test_a_faulty_peer_gets_errors_that_name_the_key_the_peer_and_the_expectatio
         assert "found the key 'fdp/host/3/all_gather_object/in/x'" in message
         assert "only fdp/host/3/all_gather_object/in/0 to" in message
         assert res[rank]["after"] == [0, 1]
+        kind, message = res[rank]["rows"]
+        assert kind == "ValueError", message
+        assert "same number of rows; got process 0: 8, process 1: 6" in message
+        assert res[rank]["equal_rows"] == [8, 2]
     kind, message = res[0]["mismatch"]
     assert kind == "TimeoutError", message
     assert "process 1 at broadcast_object instead: host collective #4 differs" in message

@@ -1,9 +1,10 @@
 """Two processes, each host collective met by a faulty peer; prints one JSON line per rank.
 
 Run under `fdp launch --nproc-per-node 2`. Rank 0 plays the faulty peer: it sends bytes
-that are not an encoded value, writes a stray key where all_gather_object reads, and
-calls a different host collective than rank 1. Every error must be fdp's, naming the
-key, the peer and what was expected; afterwards the collectives still work.
+that are not an encoded value, writes a stray key where all_gather_object reads,
+calls a different host collective than rank 1, and passes more rows to shard_batch.
+Every error must be fdp's, naming the key, the peer and what was expected; afterwards
+the collectives still work.
 """
 
 import json
@@ -11,6 +12,8 @@ import json
 import jax
 
 jax.config.update("jax_num_cpu_devices", 1)
+
+import numpy as np  # noqa: E402
 
 import fdp  # noqa: E402
 from fdp import runtime  # noqa: E402
@@ -56,6 +59,10 @@ if me == 0:
     attempt("mismatch", lambda: runtime.barrier(timeout=3))
 else:
     attempt("mismatch", lambda: runtime.broadcast_object(None, src=1, timeout=3))
+
+# 4. Local batches of different sizes (8 rows and 6): refused on both, naming each.
+attempt("rows", lambda: fdp.shard_batch(np.zeros((8 if me == 0 else 6, 2), np.float32)).shape)
+out["equal_rows"] = list(fdp.shard_batch(np.zeros((4, 2), np.float32)).shape)
 
 # Afterwards the collectives still agree.
 out["after"] = runtime.all_gather_object(me, timeout=20)
