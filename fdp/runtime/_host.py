@@ -32,7 +32,7 @@ class _Call:
     def __init__(self, op: str, timeout: float):
         self.op, self.timeout = op, timeout
         self.ms = timeout_ms(timeout)
-        self.client = _client.coordination_client()
+        self.client: Any = _client.coordination_client()  # None in a single process
         self.number = next(_SEQUENCE)
         self.base = f"fdp/host/{self.number}/{op}"
         # Under the call's number, not its name: a peer at another collective shows here.
@@ -189,6 +189,7 @@ def broadcast_object(obj: Any, src: int = 0, *, timeout: float = DEFAULT_TIMEOUT
     if call.client is None:
         return _serialize.loads(_serialize.dumps(obj))
     key = f"{call.base}/value"
+    payload = b""
     if me == src:
         payload = _serialize.dumps(obj)
         call.client.key_value_set_bytes(key, payload)

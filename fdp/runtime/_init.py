@@ -15,7 +15,7 @@ import jax
 
 from fdp._compat import config_value
 from fdp._validate import MAX_TIMEOUT_MS, check_number
-from fdp.runtime import _config
+from fdp.runtime import _claim, _config
 
 # What init learnt about this host, for local_rank() and local_world_size().
 _LOCAL: dict[str, int | None] = {}
@@ -89,6 +89,8 @@ def init(
       TimeoutError: the coordinator was not reachable within
         ``initialization_timeout``.
       OSError: process 0 cannot listen on the coordinator's port.
+      RuntimeError: the coordinator on this host belongs to another run
+        (another ``FDP_RUN_ID``); joining would abort that run.
       RuntimeError: called after JAX's backend started.
 
     Example:
@@ -132,10 +134,14 @@ def init(
         address = settings.coordinator_address
         assert address is not None and settings.process_id is not None
         bind = _config.bind_address(address, coordinator_bind_address, os.environ)
+        host, port = _config.split_address("coordinator_address", address)
+        run_id = os.environ.get(_claim.RUN_ID_VAR) or None
         if settings.process_id == 0:
-            _check_can_listen(bind or f"0.0.0.0:{_config.split_address('address', address)[1]}")
+            _check_can_listen(bind or f"0.0.0.0:{port}")
+            _claim.claim(port, run_id)
         else:
             _wait_for_coordinator(address, initialization_timeout, settings)
+            _claim.check(address, host, port, run_id)
         kwargs = dict(
             coordinator_address=address,
             num_processes=settings.num_processes,

@@ -10,6 +10,7 @@ import jax
 from fdp.bucketing import BucketPlan
 from fdp.observe._observer import Observer, logging_data
 from fdp.observe._stats import StatsSchedule
+from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._config import StepConfig
 from fdp.step._plan import StepPlan
 from fdp.step._usage import ParamUsage
@@ -130,8 +131,11 @@ class StepRunner:
     def _run(self, plan: StepPlan, *args: Any) -> Any:
         self._last_plan = plan
         if self._observer.on:
-            return self._observer.run(self._jit(), self.config, plan, args)
-        return self._jit()(plan, *args)
+            out = self._observer.run(self._jit(), self.config, plan, args)
+        else:
+            out = self._jit()(plan, *args)
+        heartbeat.step_done()  # for fdp launch's hang detection (a no-op outside it)
+        return out
 
     def _lower(self, plan: StepPlan, *args: Any) -> Any:
         self._last_plan = plan
