@@ -124,7 +124,12 @@ def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_
         ended = describe_exit(cause.returncode)
         lines.append(f"{who} ended with {ended} after {cause.elapsed:.1f} s")
     if cause.hang and cause.stack:
-        body = cause.stack.rstrip("\n").splitlines()
+        # The frames of the bootstrap and runpy under the script say nothing.
+        body = [
+            line
+            for line in cause.stack.rstrip("\n").splitlines()
+            if "<frozen runpy>" not in line and "fdp/launch/_bootstrap.py" not in line
+        ]
         lines.append("  its Python stack when it hung (most recent call first):")
     elif cause.error and cause.error.get("traceback"):
         body = cause.error["traceback"].rstrip("\n").splitlines()

@@ -64,10 +64,8 @@ def test_a_stopped_worker_is_found_hung_and_named_with_its_last_step(tmp_path, m
     assert "hung: it completed no step for" in cause and "after its step 3 (" in cause
     assert "stopped by a signal" in cause
     assert "faulty.py" in cause.split("its Python stack when it hung", 1)[1]  # where it was
-    others = sorted(set(range(nproc)) - {rank})
-    assert "stopped after the failure: " + ", ".join(
-        f"rank {r} (signal SIGKILL (9))" for r in others
-    ) in cause or all(f"rank {r} (" in cause for r in others)
+    stopped = cause.split("stopped after the failure: ", 1)[1]
+    assert all(f"rank {r} (" in stopped for r in set(range(nproc)) - {rank})
     assert HANG_TIMEOUT <= seconds_to_exit(out, tmp_path) < HANG_TIMEOUT + BOUND
 
 
