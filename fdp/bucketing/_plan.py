@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MiB = 1024 * 1024
+_LARGEST_CAP_MB = 2.0**40  # 1 EiB: larger caps all mean "no limit"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +103,15 @@ class BucketPlan:
 
 
 def _cap_bytes(value_mb: float, name: str) -> int:
-    if isinstance(value_mb, bool) or not isinstance(value_mb, int | float):
+    # NumPy scalars (np.float32(25), a value read from a config array) are numbers too.
+    if isinstance(value_mb, bool) or not isinstance(value_mb, numbers.Real):
         raise TypeError(f"{name} must be a number of MiB, got {value_mb!r}.")
-    if not math.isfinite(value_mb) or value_mb <= 0:
+    mb = float(value_mb)
+    if not math.isfinite(mb) or mb <= 0:
         raise ValueError(f"{name} must be a positive number of MiB, got {value_mb!r}.")
-    # DDP converts with int(mb * 1024 * 1024); a cap under one byte still means one.
-    return max(1, int(value_mb * MiB))
+    # DDP converts with int(mb * 1024 * 1024); a cap under one byte still means one, and a
+    # cap past any model means one bucket per dtype (1e308 MiB overflowed the conversion).
+    return max(1, int(min(mb, _LARGEST_CAP_MB) * MiB))
 
 
 def cap_limits(bucket_cap_mb: float, first_bucket_cap_mb: float) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from fdp.data._rows import leading_size
 from fdp.runtime._consistency import check_consistent
+from fdp.runtime._host import all_gather_object
 
 DATA_AXIS = "data"
 
@@ -127,6 +128,29 @@ def _local_data_size(mesh: Mesh, axis_name: str) -> int:
     return len(set(idx[:, pos].tolist()))
 
 
+# (mesh, axis, rows) that every process was seen to pass together: checked once each.
+_AGREED_ROWS: set[tuple[Mesh, str, int]] = set()
+
+
+def _check_rows_agree(rows: int, mesh: Mesh, axis_name: str) -> None:
+    """Raises unless every process passes ``rows`` rows; one exchange per new size."""
+    key = (mesh, axis_name, rows)
+    if key in _AGREED_ROWS:
+        return
+    counts = all_gather_object(rows)
+    if len(set(counts)) > 1:
+        each = ", ".join(f"process {i}: {n}" for i, n in enumerate(counts))
+        raise ValueError(
+            f"shard_batch: every process must pass a local batch of the same number of rows; "
+            f"got {each}. The global batch would weigh the processes' examples unequally "
+            "(or not line up at all). Give every process equal batches (DistributedSampler "
+            "pads or drops to make them equal), or pad with fdp.pad_batch and mask."
+        )
+    if len(_AGREED_ROWS) >= 64:  # new sizes every call: keep memory bounded
+        _AGREED_ROWS.clear()
+    _AGREED_ROWS.add(key)
+
+
 def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: str = DATA_AXIS) -> Any:
     """Splits a batch along its leading axis over the data axis of ``mesh``.
 
@@ -143,8 +167,12 @@ def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: str = DATA_A
       The batch as global ``jax.Array`` s sharded ``P(axis_name)``.
 
     Raises:
-      ValueError: a leaf is a scalar, leading sizes differ, or the batch size
-        does not divide evenly over the devices of the data axis.
+      ValueError: a leaf is a scalar, leading sizes differ, the batch size
+        does not divide evenly over the devices of the data axis, or (with
+        several processes) the processes pass different numbers of rows. That
+        is checked the first time each process passes a batch of a new size,
+        with one exchange through the coordination service, so every process
+        must meet a new size at the same call.
 
     Example:
       >>> import numpy as np
@@ -166,6 +194,8 @@ def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: str = DATA_A
     sharding = NamedSharding(mesh, P(axis_name))
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
+    if size is not None:
+        _check_rows_agree(size, mesh, axis_name)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(sharding, _as_numpy(x)), batch
     )

@@ -1,18 +1,21 @@
 """The agent: starts this host's workers, watches them, stops and restarts the group.
 
 torchrun's elastic agent, without elasticity: the group is fixed. When any
-worker fails, every other worker is stopped (SIGTERM to its process group,
-SIGKILL after ``grace_period``), and the group restarts, up to
-``max_restarts`` times. SIGINT, SIGTERM and SIGHUP sent to the agent are
-forwarded to the workers, which are then stopped the same way.
+worker fails, or hangs (:mod:`fdp.launch._watchdog`), every other worker is
+stopped (SIGTERM to its process group, SIGKILL after ``grace_period``), and the
+group restarts, up to ``max_restarts`` times. SIGINT, SIGTERM and SIGHUP sent
+to the agent are forwarded to the workers, which are then stopped the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,8 +24,10 @@ from collections.abc import Iterator
 from typing import IO
 
 from fdp.launch import _env, _summary
+from fdp.launch._bootstrap import STACK_SIGNAL
 from fdp.launch._config import LaunchConfig
 from fdp.launch._output import Output
+from fdp.launch._watchdog import Hang, Watchdog
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -44,11 +49,39 @@ class WorkerGroup:
         self.run_dir, self.log_dir = run_dir, log_dir
         self.workers: list[_Worker] = []
         self.stopping = False
+        self.hang: Hang | None = None
         self._round = 0
+
+    def _file(self, rank: int, kind: str) -> str:
+        return os.path.join(self.run_dir, f"attempt_{self.attempt}", f"rank_{rank}.{kind}")
 
     def error_file(self, rank: int) -> str:
         """Where worker ``rank`` of this attempt writes its traceback."""
-        return os.path.join(self.run_dir, f"attempt_{self.attempt}", f"rank_{rank}.error.json")
+        return self._file(rank, "error.json")
+
+    def watchdog(self) -> Watchdog | None:
+        """The hang detector over this attempt's workers (None when turned off)."""
+        if not self.cfg.hang_timeout:
+            return None
+        files = [(w.rank, w.proc.pid, self._file(w.rank, "heartbeat")) for w in self.workers]
+        return Watchdog(self.cfg.hang_timeout, files)
+
+    def dump_stack(self, rank: int, wait: float = 2.0) -> None:
+        """Asks worker ``rank`` for its Python stack (it may be stopped: it is continued)."""
+        worker = next(w for w in self.workers if w.rank == rank)
+        path = self._file(rank, "stack")
+        if STACK_SIGNAL is None or worker.exit is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(worker.proc.pid, STACK_SIGNAL)
+            os.kill(worker.proc.pid, signal.SIGCONT)  # a stopped process runs the handler
+        deadline, size = time.monotonic() + wait, -1
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = os.path.getsize(path) if os.path.exists(path) else 0
+            if now and now == size:  # written, and no longer growing
+                return
+            size = now
 
     def start(self, stdout: IO[str], stderr: IO[str]) -> None:
         """Starts every local worker, each in its own session (process group)."""
@@ -67,6 +100,8 @@ class WorkerGroup:
                 port=self.port,
                 restart_count=self.attempt,
                 error_file=self.error_file(rank),
+                heartbeat_file=self._file(rank, "heartbeat"),
+                stack_file=self._file(rank, "stack"),
                 base=os.environ,
                 gpus=gpus,
                 cpus=cpus,
@@ -139,6 +174,9 @@ class WorkerGroup:
             assert w.exit is not None
             w.exit.error = _summary.read_error_file(self.error_file(w.rank))
             w.exit.tail = w.output.tail()
+            if self.hang is not None and self.hang.rank == w.rank:
+                w.exit.hang = self.hang.describe()
+                w.exit.stack = _read_text(self._file(w.rank, "stack"))
             out.append(w.exit)
         return out
 
@@ -161,8 +199,17 @@ def _log(stream: IO[str], message: str) -> None:
     stream.flush()
 
 
-def _watch(group: WorkerGroup, received: list[int]) -> str:
-    """Watches until the group succeeds, a worker fails, or the agent gets a signal."""
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read() or None
+    except OSError:
+        return None
+
+
+def _watch(group: WorkerGroup, received: list[int], stderr: IO[str]) -> str:
+    """Watches until the group succeeds, a worker fails or hangs, or the agent gets a signal."""
+    watchdog = group.watchdog()
     while True:
         if received:
             return "signal"
@@ -171,7 +218,57 @@ def _watch(group: WorkerGroup, received: list[int]) -> str:
             return "failed"
         if not group.running:
             return "succeeded"
+        hang = watchdog and watchdog.check({w.rank for w in group.running})
+        if hang:
+            group.hang = hang
+            _log(stderr, f"rank {hang.rank} {hang.describe()}; stopping the workers.")
+            group.dump_stack(hang.rank)
+            return "failed"
         time.sleep(group.cfg.monitor_interval)
+
+
+def _check_port_free(cfg: LaunchConfig, port: int) -> str | None:
+    """Why this host cannot run the coordinator on ``port`` (None: it can, or is not its host).
+
+    Checked before any worker starts: a second run on a busy port must fail
+    here, not send workers to join the first run's coordinator (which aborts that run).
+    """
+    if cfg.node_rank != 0:
+        return None
+    family = socket.AF_INET6 if ":" in cfg.master_addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((cfg.master_addr, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (
+                    f"the coordinator port {cfg.master_addr}:{port} is in use (another run?); "
+                    "no worker was started. Choose another --master-port, or leave it out on "
+                    "one host to get a free one."
+                )
+    return None  # free, or an address of another host (EADDRNOTAVAIL): not ours to check
+
+
+_RUN_DIR = re.compile(r"fdp-launch-pid(\d{1,7})-")
+
+
+def _remove_stale_run_dirs(root: str) -> None:
+    """Removes run directories left by agents that were killed (SIGKILL skips cleanup)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            match = _RUN_DIR.match(entry.name)
+            if not (match and entry.is_dir(follow_symlinks=False)):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+            try:
+                os.kill(int(match.group(1)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            except PermissionError:
+                pass  # alive, under another user
 
 
 def launch(
@@ -188,11 +285,18 @@ def launch(
     err: IO[str] = stderr or sys.stderr
     stdout, stderr = out, err
     attempts = cfg.max_restarts + 1
-    run_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"fdp-launch-{cfg.run_id}-")
+    if cfg.log_dir is None:
+        _remove_stale_run_dirs(tempfile.gettempdir())
+    # The agent's pid in the name tells a later agent whether this one is still alive.
+    run_dir = cfg.log_dir or tempfile.mkdtemp(prefix=f"fdp-launch-pid{os.getpid()}-{cfg.run_id}-")
     try:
         with _signals_recorded() as received:
             for attempt in range(attempts):
                 port = cfg.master_port or _env.free_port(cfg.master_addr)
+                busy = _check_port_free(cfg, port) if cfg.master_port else None
+                if busy:
+                    _log(stderr, busy)
+                    return 1
                 group = WorkerGroup(cfg, attempt, port, run_dir, cfg.log_dir)
                 first = cfg.node_rank * cfg.nproc_per_node
                 last = first + cfg.nproc_per_node - 1
@@ -204,7 +308,7 @@ def launch(
                 )
                 try:
                     group.start(stdout, stderr)
-                    outcome = _watch(group, received)
+                    outcome = _watch(group, received, stderr)
                 finally:
                     # Whatever happened (even an error in the agent), no worker survives.
                     if received:

@@ -6,6 +6,9 @@ the script configures them. It
 
 - dies with the agent: on Linux the kernel sends it SIGKILL if the agent
   process ends, so no worker outlives ``fdp launch``, even one killed by SIGKILL;
+- writes the Python stack of every thread to ``FDP_STACK_FILE`` when it gets
+  :data:`STACK_SIGNAL` (``faulthandler``), which the agent sends a worker it
+  found hung, so that the summary shows where it was stuck;
 - pins itself to its share of CPU cores (``FDP_CPU_AFFINITY``) before any
   thread pool sizes itself from the core count;
 - runs the script as ``python script.py`` would (``__main__``, ``sys.argv``,
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import os
 import runpy
@@ -30,6 +34,10 @@ import traceback
 from types import TracebackType
 
 _PR_SET_PDEATHSIG = 1
+
+# A real-time signal, so that no handler of the script's (SIGUSR1...) is taken or run.
+STACK_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
+_stack_file: list = []  # kept open for faulthandler, which writes from a signal handler
 
 
 def _die_with_agent() -> None:
@@ -43,6 +51,18 @@ def _die_with_agent() -> None:
         return
     if os.getppid() != int(agent):  # the agent died before prctl took effect
         os._exit(1)
+
+
+def _dump_stack_on_signal() -> None:
+    path = os.environ.get("FDP_STACK_FILE")
+    if not path or STACK_SIGNAL is None:
+        return
+    try:
+        f = open(path, "w")  # noqa: SIM115 (open for the life of the process)
+        faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        return
+    _stack_file.append(f)
 
 
 def _pin_cpus() -> None:
@@ -97,6 +117,7 @@ def _exit_now(code: int) -> None:
 def main(argv: list[str]) -> None:
     """Runs ``argv`` (``script args...`` or ``-m module args...``) as the worker."""
     _die_with_agent()
+    _dump_stack_on_signal()
     _pin_cpus()
     module = argv[1] if argv[:1] == ["-m"] else None
     target, args = (module, argv[2:]) if module else (argv[0], argv[1:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import uuid
 
 
@@ -23,9 +24,14 @@ class LaunchConfig:
       max_restarts: times the whole group is restarted after a failure.
       log_dir: write each worker's output to a file there instead of
         prefixing it on the console.
-      run_id: names the run (``FDP_RUN_ID``).
+      run_id: names the run (``FDP_RUN_ID``); a worker joins only a coordinator
+        of its own run. Random on one host; with several hosts, the same on every
+        host (by default derived from the coordinator's address and the sizes).
       monitor_interval: seconds between checks of the workers.
       grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+      hang_timeout: seconds a worker may go without completing a step (after its
+        first) or stay stopped by a signal before it is declared hung and the
+        group is stopped; 0 turns hang detection off.
       bind_gpus: give each local worker its own GPU(s) via
         ``CUDA_VISIBLE_DEVICES`` when the host has GPUs.
       bind_cpus: without GPUs, pin each local worker to its share of CPU cores
@@ -45,6 +51,7 @@ class LaunchConfig:
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
     monitor_interval: float = 0.1
     grace_period: float = 5.0
+    hang_timeout: float = 30.0
     bind_gpus: bool = True
     bind_cpus: bool = True
 
@@ -73,6 +80,10 @@ class LaunchConfig:
         )
         need(self.monitor_interval > 0, "--monitor-interval must be > 0.")
         need(self.grace_period >= 0, "--grace-period must be >= 0.")
+        need(
+            self.hang_timeout >= 0 and self.hang_timeout != float("inf"),
+            f"--hang-timeout must be a number of seconds >= 0 (0: off), got {self.hang_timeout}.",
+        )
 
     @property
     def world_size(self) -> int:
@@ -110,13 +121,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-dir", "--log_dir", default=None, help="write rank_N.log files here instead"
     )
-    parser.add_argument("--run-id", "--run_id", default=None, help="run name (FDP_RUN_ID)")
+    parser.add_argument(
+        "--run-id",
+        "--run_id",
+        default=None,
+        help="run name (FDP_RUN_ID); workers join only a coordinator of the same run "
+        "(default: random on one host; with --nnodes > 1, derived from --master-addr, "
+        "--master-port and the sizes, the same on every host)",
+    )
     parser.add_argument("--monitor-interval", type=float, default=0.1, help=argparse.SUPPRESS)
     parser.add_argument(
         "--grace-period",
         type=float,
         default=5.0,
         help="seconds from SIGTERM to SIGKILL when stopping workers (default 5)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a worker may complete no step (after its first) or stay stopped before "
+        "it is declared hung and the group stopped (default 30; 0: off)",
     )
     parser.add_argument(
         "--no-gpu-binding",
@@ -164,9 +189,15 @@ def from_namespace(args: argparse.Namespace) -> LaunchConfig:
         log_dir=args.log_dir,
         monitor_interval=args.monitor_interval,
         grace_period=args.grace_period,
+        hang_timeout=args.hang_timeout,
         bind_gpus=args.bind_gpus,
         bind_cpus=args.bind_cpus,
     )
     if args.run_id:
         fields["run_id"] = args.run_id
+    elif args.nnodes > 1:
+        # Every host's agent must hand its workers the same id (fdp.init checks it
+        # against the coordinator's), so derive it from what all hosts are given.
+        shared = f"{fields['master_addr']}:{args.master_port}/{args.nnodes}x{args.nproc_per_node}"
+        fields["run_id"] = hashlib.sha256(shared.encode()).hexdigest()[:12]
     return LaunchConfig(**fields)

@@ -78,13 +78,16 @@ def worker_env(
     base: Mapping[str, str],
     gpus: Sequence[str],
     cpus: Sequence[int],
+    heartbeat_file: str | None = None,
+    stack_file: str | None = None,
 ) -> dict[str, str]:
     """The environment of local worker ``local_rank``.
 
     Sets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
     ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
     fdp's (``FDP_RESTART_COUNT``, ``FDP_MAX_RESTARTS``, ``FDP_RUN_ID``,
-    ``FDP_ERROR_FILE``, ``FDP_AGENT_PID``), and the worker's share of the host:
+    ``FDP_ERROR_FILE``, ``FDP_AGENT_PID``, and for hang detection
+    ``FDP_HEARTBEAT_FILE`` and ``FDP_STACK_FILE``), and the worker's share of the host:
     ``CUDA_VISIBLE_DEVICES`` with GPUs; without, ``FDP_CPU_AFFINITY`` (applied
     by the worker before anything starts threads) and matching thread counts.
     Variables the user set already (thread counts, ``PYTHONUNBUFFERED``) are kept.
@@ -105,6 +108,11 @@ def worker_env(
         FDP_ERROR_FILE=error_file,
         FDP_AGENT_PID=str(os.getpid()),
     )
+    for var, path in (("FDP_HEARTBEAT_FILE", heartbeat_file), ("FDP_STACK_FILE", stack_file)):
+        if path is not None:
+            env[var] = path
+        else:
+            env.pop(var, None)  # never one inherited from a surrounding launch
     # Output reaches the console (or log file) as it is written, not when a crash loses it.
     env.setdefault("PYTHONUNBUFFERED", "1")
     if gpus and cfg.bind_gpus:

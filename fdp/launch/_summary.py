@@ -59,6 +59,8 @@ class WorkerExit:
       order: the agent's poll round in which it was seen to end.
       error: its error file record, if it wrote one.
       tail: its last lines of output.
+      hang: why the agent found it hung (:meth:`Hang.describe`), if it did.
+      stack: its Python stack when it was found hung, if it could write it.
     """
 
     rank: int
@@ -70,11 +72,13 @@ class WorkerExit:
     order: int
     error: dict | None = None
     tail: tuple[str, ...] = ()
+    hang: str | None = None
+    stack: str | None = None
 
     @property
     def failed(self) -> bool:
-        """A non-zero end the agent did not cause."""
-        return self.returncode != 0 and not self.stopped
+        """A non-zero end the agent did not cause, or a hang the agent ended."""
+        return (self.returncode != 0 and not self.stopped) or self.hang is not None
 
     @property
     def secondary(self) -> bool:
@@ -88,7 +92,8 @@ class WorkerExit:
 def root_cause(exits: list[WorkerExit]) -> WorkerExit | None:
     """The failure to blame, as torchrun picks the first one.
 
-    The earliest failure seen; among those seen in the same poll round, one
+    A worker the agent found hung, whose peers only waited for it; else the
+    earliest failure seen; among those seen in the same poll round, one
     that did not fail because a peer died (a worker killed by a signal comes
     before its peer's lost-connection traceback), then one with a Python
     traceback, then the lowest rank.
@@ -96,7 +101,9 @@ def root_cause(exits: list[WorkerExit]) -> WorkerExit | None:
     failed = [e for e in exits if e.failed]
     if not failed:
         return None
-    return min(failed, key=lambda e: (e.order, e.secondary, e.error is None, e.rank))
+    return min(
+        failed, key=lambda e: (e.hang is None, e.order, e.secondary, e.error is None, e.rank)
+    )
 
 
 def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_id: str) -> str:
@@ -106,10 +113,25 @@ def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_
     lines = [
         f"fdp launch: the worker group failed (attempt {attempt + 1} of {attempts}, "
         f"run id {run_id}).",
-        f"  root cause: rank {cause.rank} (local rank {cause.local_rank}, pid {cause.pid}) "
-        f"ended with {describe_exit(cause.returncode)} after {cause.elapsed:.1f} s",
     ]
-    if cause.error and cause.error.get("traceback"):
+    who = f"  root cause: rank {cause.rank} (local rank {cause.local_rank}, pid {cause.pid})"
+    if cause.hang:
+        lines.append(
+            f"{who} {cause.hang}; fdp launch ended it ({describe_exit(cause.returncode)}) "
+            f"after {cause.elapsed:.1f} s"
+        )
+    else:
+        ended = describe_exit(cause.returncode)
+        lines.append(f"{who} ended with {ended} after {cause.elapsed:.1f} s")
+    if cause.hang and cause.stack:
+        # The frames of the bootstrap and runpy under the script say nothing.
+        body = [
+            line
+            for line in cause.stack.rstrip("\n").splitlines()
+            if "<frozen runpy>" not in line and "fdp/launch/_bootstrap.py" not in line
+        ]
+        lines.append("  its Python stack when it hung (most recent call first):")
+    elif cause.error and cause.error.get("traceback"):
         body = cause.error["traceback"].rstrip("\n").splitlines()
         lines.append("  its traceback (last lines):")
     else:
@@ -118,7 +140,11 @@ def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_
     lines += [f"    {line}" for line in body[-_TRACEBACK_LINES:]]
     others = [e for e in sorted(exits, key=lambda e: e.rank) if e is not cause]
     failed = [f"rank {e.rank} ({describe_exit(e.returncode)})" for e in others if e.failed]
-    stopped = [f"rank {e.rank} ({describe_exit(e.returncode)})" for e in others if e.stopped]
+    stopped = [
+        f"rank {e.rank} ({describe_exit(e.returncode)})"
+        for e in others
+        if e.stopped and not e.failed
+    ]
     if failed:
         lines.append("  other failures: " + ", ".join(failed))
     if stopped:
@@ -132,6 +158,8 @@ def one_line(exits: list[WorkerExit]) -> str:
     if cause is None:
         return "no worker failed"
     what = f"rank {cause.rank} ended with {describe_exit(cause.returncode)}"
-    if cause.error:
+    if cause.hang:
+        what = f"rank {cause.rank} {cause.hang}"
+    elif cause.error:
         what += f": {cause.error.get('type')}: {cause.error.get('message')}"
     return what

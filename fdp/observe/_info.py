@@ -55,20 +55,53 @@ _NAMES = (
     "KUBERNETES_SERVICE_HOST",
 )
 # Values of variables whose names say they hold a secret are not printed.
-_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|_KEY$|APIKEY", re.I)
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|_KEY$|APIKEY", re.I)
+# Nor credentials inside other values: a URL's user:password@ (also without a
+# scheme, as in FDP_COORDINATOR_ADDRESS=user:pw@host:port) and long tokens.
+_USERINFO = re.compile(r"(?<![\w.-])([A-Za-z][\w+.-]*://)?[^\s/@:=,;]+:[^\s/@]*@")
+_TOKEN = re.compile(r"[A-Za-z0-9_+-]{32,}")  # no '/', '=', '.': paths and flags split
+HIDDEN = "<hidden>"
+
+
+def _long_token(match: re.Match[str]) -> str:
+    text = match.group(0)
+    # A token mixes letters and digits; a long flag or path word has no digits.
+    mixed = re.search(r"[A-Za-z]", text) and re.search(r"[0-9]", text.lstrip("-"))
+    return HIDDEN if mixed else text
+
+
+def redact(value: str) -> str:
+    """``value`` with the credentials it may carry replaced by ``<hidden>``.
+
+    Example:
+      >>> redact("user:pw@10.0.0.1:29500"), redact("https://bob:s3cret@hub.example/x")
+      ('<hidden>@10.0.0.1:29500', 'https://<hidden>@hub.example/x')
+      >>> redact("--xla_dump_to=/tmp/dump --xla_gpu_enable_latency_hiding_scheduler=true")
+      '--xla_dump_to=/tmp/dump --xla_gpu_enable_latency_hiding_scheduler=true'
+      >>> redact("hf_0123456789abcdefABCDEF0123456789xyz")
+      '<hidden>'
+    """
+    value = _USERINFO.sub(lambda m: f"{m.group(1) or ''}{HIDDEN}@", value)
+    return _TOKEN.sub(_long_token, value)
 
 
 def environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables that matter to a distributed JAX run, sorted by name.
 
+    Values are redacted twice: a variable whose name says it holds a secret
+    is hidden whole, and credentials inside any other value (a URL's
+    ``user:password@``, a long token) are hidden where they stand.
+
     Example:
       >>> environment({"XLA_FLAGS": "--xla_dump_to=/tmp", "HOME": "/root",
-      ...              "RANK": "0", "FDP_TOKEN": "abc"})
-      {'FDP_TOKEN': '<hidden>', 'RANK': '0', 'XLA_FLAGS': '--xla_dump_to=/tmp'}
+      ...              "RANK": "0", "FDP_TOKEN": "abc",
+      ...              "FDP_COORDINATOR_ADDRESS": "user:pw@host:29500"})
+      {'FDP_COORDINATOR_ADDRESS': '<hidden>@host:29500', 'FDP_TOKEN': '<hidden>',
+       'RANK': '0', 'XLA_FLAGS': '--xla_dump_to=/tmp'}
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     return {
-        name: "<hidden>" if _SECRET.search(name) else env[name]
+        name: HIDDEN if _SECRET.search(name) else redact(env[name])
         for name in sorted(env)
         if name.startswith(_PREFIXES) or name in _NAMES
     }

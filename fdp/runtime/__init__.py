@@ -17,10 +17,12 @@ from fdp.runtime._init import local_rank as local_rank
 from fdp.runtime._init import local_world_size as local_world_size
 from fdp.runtime._init import process_count as process_count
 from fdp.runtime._init import process_index as process_index
+from fdp.runtime._serialize import SerializationError as SerializationError
 from fdp.runtime._store import Store as Store
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "SerializationError",
     "Store",
     "all_gather_object",
     "barrier",

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from fdp._validate import timeout_ms
 from fdp.runtime import _client, _serialize
 
 DEFAULT_TIMEOUT = 1800.0
@@ -25,72 +26,105 @@ DEFAULT_TIMEOUT = 1800.0
 _SEQUENCE = itertools.count()
 
 
-def _begin(op: str) -> tuple[Any, str]:
-    client = _client.coordination_client()
-    return client, f"fdp/host/{next(_SEQUENCE)}/{op}"
+class _Call:
+    """One host collective: its keys, and the marker that says which one this process is at."""
 
+    def __init__(self, op: str, timeout: float):
+        self.op, self.timeout = op, timeout
+        self.ms = timeout_ms(timeout)
+        self.client: Any = _client.coordination_client()  # None in a single process
+        self.number = next(_SEQUENCE)
+        self.base = f"fdp/host/{self.number}/{op}"
+        # Under the call's number, not its name: a peer at another collective shows here.
+        self.at = f"fdp/host/{self.number}/at/"
 
-def _ms(timeout: float) -> int:
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got timeout={timeout!r}.")
-    return max(1, round(timeout * 1000))
+    def arrive(self) -> None:
+        self.client.key_value_set_bytes(f"{self.at}{jax.process_index()}", self.op.encode())
+
+    def leave(self) -> None:
+        self.client.key_value_delete(f"{self.at}{jax.process_index()}")
+
+    def per_process(self, prefix: str) -> dict[int, bytes]:
+        """The values under ``prefix``, by process; raises on a key no process writes."""
+        count, out = jax.process_count(), {}
+        for key, value in self.client.key_value_dir_get_bytes(prefix):
+            name = key.rsplit("/", 1)[-1]
+            if not (name.isdigit() and int(name) < count):
+                raise RuntimeError(
+                    f"fdp.runtime.{self.op}: found the key {key!r} in the coordination service, "
+                    f"where only {prefix}0 to {prefix}{count - 1} (one per process) are "
+                    "expected; something other than fdp.runtime writes under 'fdp/host/'."
+                )
+            out[int(name)] = value
+        return out
+
+    def missing(self) -> TimeoutError:
+        """The error for a barrier that timed out: who is elsewhere, and who never came."""
+        me, count = jax.process_index(), jax.process_count()
+        where = {p: v.decode(errors="replace") for p, v in self.per_process(self.at).items()}
+        here = sorted(p for p, op in where.items() if op == self.op)
+        elsewhere = {p: op for p, op in sorted(where.items()) if op != self.op}
+        absent = sorted(set(range(count)) - set(where))
+        parts = []
+        if elsewhere:
+            at = ", ".join(f"process {p} at {op}" for p, op in elsewhere.items())
+            parts.append(
+                f"{at} instead: host collective #{self.number} differs across processes "
+                "(every process must call the same host collectives in the same order)"
+            )
+        if absent:
+            parts.append(f"process(es) {absent} did not arrive within {self.timeout:g} s")
+        if not parts:
+            return TimeoutError(
+                f"fdp.runtime.{self.op}: process {me} arrived after the barrier had "
+                f"timed out (timeout={self.timeout:g} s) on another process."
+            )
+        return TimeoutError(f"fdp.runtime.{self.op}: " + "; ".join(parts) + f" (arrived: {here}).")
+
+    def wait(self, name: str = "barrier") -> None:
+        """Waits at this call's barrier ``name``; on a timeout, raises naming who is missing."""
+        try:
+            self.client.wait_at_barrier(f"{self.base}/{name}", self.ms)
+        except jax.errors.JaxRuntimeError as e:
+            if not _client.is_timeout(e):
+                raise _failed(self.op, e) from None
+            raise self.missing() from None
+
+    def decode(self, payload: bytes, key: str, peer: int) -> Any:
+        try:
+            return _serialize.loads(payload)
+        except _serialize.SerializationError as e:
+            raise _serialize.SerializationError(
+                f"fdp.runtime.{self.op}: the value of process {peer} (key {key!r}) is not a "
+                f"value fdp.runtime sent: {e}"
+            ) from None
 
 
 def _failed(what: str, error: Exception) -> RuntimeError:
     return RuntimeError(f"fdp.runtime.{what} failed: {_client.first_line(error)}")
 
 
-def _wait_naming_missing(client: Any, base: str, timeout: float, what: str) -> None:
-    """Waits until every process has written a key under ``base/in/``, or names who has not."""
-    try:
-        client.wait_at_barrier(f"{base}/barrier", _ms(timeout))
-        return
-    except jax.errors.JaxRuntimeError as e:
-        if not _client.is_timeout(e):
-            raise _failed(what, e) from None
-    arrived = sorted(
-        int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get_bytes(f"{base}/in/")
-    )
-    missing = sorted(set(range(jax.process_count())) - set(arrived))
-    if not missing:
-        raise TimeoutError(
-            f"fdp.runtime.{what}: process {jax.process_index()} arrived after the barrier had "
-            f"timed out (timeout={timeout:g} s) on another process."
-        )
-    raise TimeoutError(
-        f"fdp.runtime.{what}: process(es) {missing} did not arrive within {timeout:g} s "
-        f"(arrived: {arrived})."
-    )
-
-
 def barrier(*, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Waits until every process has called ``barrier`` (``torch.distributed.barrier``).
 
     Args:
-      timeout: seconds to wait before raising.
+      timeout: seconds to wait before raising (``inf``: as long as JAX allows, ~24 days).
 
     Raises:
-      TimeoutError: not every process arrived in time. Use
-        :func:`monitored_barrier` to learn which did not.
+      TimeoutError: not every process arrived in time; the message names the
+        processes that did not, and those waiting at another host collective.
       RuntimeError: the coordination service reported a failure (a process died).
 
     Example:
       >>> from fdp import runtime
       >>> runtime.barrier()  # one process: returns at once
     """
-    client, base = _begin("barrier")
-    if client is None:
-        _ms(timeout)
+    call = _Call("barrier", timeout)
+    if call.client is None:
         return
-    try:
-        client.wait_at_barrier(base, _ms(timeout))
-    except jax.errors.JaxRuntimeError as e:
-        if _client.is_timeout(e):
-            raise TimeoutError(
-                f"fdp.runtime.barrier: not every process arrived within {timeout:g} s; "
-                "fdp.runtime.monitored_barrier names the processes that did not."
-            ) from None
-        raise _failed("barrier", e) from None
+    call.arrive()
+    call.wait()
+    call.leave()
 
 
 def monitored_barrier(timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -105,21 +139,20 @@ def monitored_barrier(timeout: float = DEFAULT_TIMEOUT) -> None:
 
     Raises:
       TimeoutError: some processes did not arrive within ``timeout``; the
-        message lists them (``process(es) [1] did not arrive within 5 s``).
+        message lists them (``process(es) [1] did not arrive within 5 s``),
+        and names those waiting at another host collective instead.
       RuntimeError: the coordination service reported a failure.
 
     Example:
       >>> from fdp import runtime
       >>> runtime.monitored_barrier(timeout=60)
     """
-    client, base = _begin("monitored_barrier")
-    if client is None:
-        _ms(timeout)
+    call = _Call("monitored_barrier", timeout)
+    if call.client is None:
         return
-    mine = f"{base}/in/{jax.process_index()}"
-    client.key_value_set_bytes(mine, b"")
-    _wait_naming_missing(client, base, timeout, "monitored_barrier")
-    client.key_value_delete(mine)
+    call.arrive()
+    call.wait()
+    call.leave()
 
 
 def broadcast_object(obj: Any, src: int = 0, *, timeout: float = DEFAULT_TIMEOUT) -> Any:
@@ -149,33 +182,36 @@ def broadcast_object(obj: Any, src: int = 0, *, timeout: float = DEFAULT_TIMEOUT
       >>> runtime.broadcast_object({"run": "a1", "lr": 0.1})
       {'run': 'a1', 'lr': 0.1}
     """
-    client, base = _begin("broadcast_object")
-    count = jax.process_count()
+    call = _Call("broadcast_object", timeout)
+    count, me = jax.process_count(), jax.process_index()
     if not (isinstance(src, int) and 0 <= src < count):
         raise ValueError(f"src must be a process index in 0..{count - 1}, got src={src!r}.")
-    if client is None:
+    if call.client is None:
         return _serialize.loads(_serialize.dumps(obj))
-    key = f"{base}/value"
-    if jax.process_index() == src:
+    key = f"{call.base}/value"
+    payload = b""
+    if me == src:
         payload = _serialize.dumps(obj)
-        client.key_value_set_bytes(key, payload)
-    else:
+        call.client.key_value_set_bytes(key, payload)
+    call.arrive()
+    if me != src:
         try:
-            payload = client.blocking_key_value_get_bytes(key, _ms(timeout))
+            payload = call.client.blocking_key_value_get_bytes(key, call.ms)
         except jax.errors.JaxRuntimeError as e:
-            if _client.is_timeout(e):
+            if not _client.is_timeout(e):
+                raise _failed("broadcast_object", e) from None
+            if call.per_process(call.at).get(src, b"").decode(errors="replace") in ("", call.op):
                 raise TimeoutError(
                     f"fdp.runtime.broadcast_object: process {src}'s value did not arrive "
                     f"within {timeout:g} s."
                 ) from None
-            raise _failed("broadcast_object", e) from None
+            raise call.missing() from None
     # Everyone has read the value once everyone is past this barrier.
-    client.key_value_set_bytes(f"{base}/in/{jax.process_index()}", b"")
-    _wait_naming_missing(client, base, timeout, "broadcast_object")
-    client.key_value_delete(f"{base}/in/{jax.process_index()}")
-    if jax.process_index() == src:
-        client.key_value_delete(key)
-    return _serialize.loads(payload)
+    call.wait()
+    call.leave()
+    if me == src:
+        call.client.key_value_delete(key)
+    return call.decode(payload, key, src)
 
 
 def all_gather_object(obj: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
@@ -201,20 +237,18 @@ def all_gather_object(obj: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any
       >>> runtime.all_gather_object({"host": "node0", "batches": 12})
       [{'host': 'node0', 'batches': 12}]
     """
-    client, base = _begin("all_gather_object")
+    call = _Call("all_gather_object", timeout)
     payload = _serialize.dumps(obj)
-    if client is None:
+    if call.client is None:
         return [_serialize.loads(payload)]
-    mine = f"{base}/in/{jax.process_index()}"
-    client.key_value_set_bytes(mine, payload)
-    _wait_naming_missing(client, base, timeout, "all_gather_object")
-    items = client.key_value_dir_get_bytes(f"{base}/in/")
-    values = {int(k.rsplit("/", 1)[1]): v for k, v in items}
+    prefix = f"{call.base}/in/"
+    mine = f"{prefix}{jax.process_index()}"
+    call.client.key_value_set_bytes(mine, payload)
+    call.arrive()
+    call.wait()
+    values = call.per_process(prefix)
     # A second barrier, so that no process deletes its value before all have read it.
-    done = f"{base}/read"
-    try:
-        client.wait_at_barrier(done, _ms(timeout))
-    except jax.errors.JaxRuntimeError as e:
-        raise _failed("all_gather_object", e) from None
-    client.key_value_delete(mine)
-    return [_serialize.loads(values[i]) for i in range(jax.process_count())]
+    call.wait("read")
+    call.client.key_value_delete(mine)
+    call.leave()
+    return [call.decode(values[i], f"{prefix}{i}", i) for i in range(jax.process_count())]

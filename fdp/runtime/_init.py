@@ -14,7 +14,8 @@ from types import TracebackType
 import jax
 
 from fdp._compat import config_value
-from fdp.runtime import _config
+from fdp._validate import MAX_TIMEOUT_MS, check_number
+from fdp.runtime import _claim, _config
 
 # What init learnt about this host, for local_rank() and local_world_size().
 _LOCAL: dict[str, int | None] = {}
@@ -88,6 +89,8 @@ def init(
       TimeoutError: the coordinator was not reachable within
         ``initialization_timeout``.
       OSError: process 0 cannot listen on the coordinator's port.
+      RuntimeError: the coordinator on this host belongs to another run
+        (another ``FDP_RUN_ID``); joining would abort that run.
       RuntimeError: called after JAX's backend started.
 
     Example:
@@ -96,6 +99,15 @@ def init(
       >>> fdp.process_index(), fdp.process_count(), fdp.local_rank()
       (0, 1, 0)
     """
+    timeouts = {
+        name: check_number(value, name, allow_inf=True)
+        for name, value in (
+            ("initialization_timeout", initialization_timeout),
+            ("heartbeat_timeout", heartbeat_timeout),
+            ("shutdown_timeout", shutdown_timeout),
+        )
+    }
+    initialization_timeout = timeouts["initialization_timeout"]
     settings = _config.resolve(
         coordinator_address,
         num_processes,
@@ -122,10 +134,14 @@ def init(
         address = settings.coordinator_address
         assert address is not None and settings.process_id is not None
         bind = _config.bind_address(address, coordinator_bind_address, os.environ)
+        host, port = _config.split_address("coordinator_address", address)
+        run_id = os.environ.get(_claim.RUN_ID_VAR) or None
         if settings.process_id == 0:
-            _check_can_listen(bind or f"0.0.0.0:{_config.split_address('address', address)[1]}")
+            _check_can_listen(bind or f"0.0.0.0:{port}")
+            _claim.claim(port, run_id)
         else:
             _wait_for_coordinator(address, initialization_timeout, settings)
+            _claim.check(address, host, port, run_id)
         kwargs = dict(
             coordinator_address=address,
             num_processes=settings.num_processes,
@@ -136,9 +152,9 @@ def init(
         jax.distributed.initialize(
             **kwargs,
             local_device_ids=local_device_ids,
-            initialization_timeout=max(1, round(deadline - time.monotonic())),
-            heartbeat_timeout_seconds=max(1, round(heartbeat_timeout)),
-            shutdown_timeout_seconds=max(1, round(shutdown_timeout)),
+            initialization_timeout=_seconds(deadline - time.monotonic()),
+            heartbeat_timeout_seconds=_seconds(timeouts["heartbeat_timeout"]),
+            shutdown_timeout_seconds=_seconds(timeouts["shutdown_timeout"]),
         )
     except RuntimeError as e:
         if "before any JAX calls" in str(e):
@@ -150,6 +166,11 @@ def init(
         raise
     if fail_fast:
         sys.excepthook = _exit_on_uncaught
+
+
+def _seconds(timeout: float) -> int:
+    """Whole seconds for JAX, at least 1; ``inf`` becomes the longest wait JAX takes."""
+    return max(1, round(min(timeout, MAX_TIMEOUT_MS // 1000)))
 
 
 def _wait_for_coordinator(address: str, timeout: float, settings: _config.Settings) -> None:

@@ -4,6 +4,13 @@
 that unpickles a peer's bytes runs whatever that peer put in them. fdp encodes
 plain data with MessagePack instead: decoding builds only the types listed in
 :func:`dumps`, whatever the bytes say.
+
+Decoding is bounded too, so that no peer can crash a process with its bytes:
+values nest at most :data:`MAX_DEPTH` containers deep (msgpack decodes each
+nested tuple with a recursive call that takes ~40 KB of C stack; ~200 levels
+overflowed it and killed the process with SIGSEGV) and weigh at most
+:data:`MAX_BYTES` encoded. Both sides check, and every failure to decode is a
+:class:`SerializationError`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,35 @@ _NDARRAY = 2
 _NPSCALAR = 3
 
 SUPPORTED = "None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays and numpy scalars"
+
+MAX_DEPTH = 64
+"""Containers (list, tuple, dict) a value may nest, counting the outermost."""
+
+MAX_BYTES = 256 * 1024 * 1024
+"""The largest encoded value, in bytes (host collectives carry control data, not arrays)."""
+
+
+class SerializationError(ValueError):
+    """A value that cannot be sent to, or was not decodable from, another process."""
+
+
+def _check_depth(obj: Any) -> None:
+    """Raises if ``obj`` nests more than MAX_DEPTH containers (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = [*value.keys(), *value.values()]
+        elif isinstance(value, list | tuple):
+            children = value
+        else:
+            continue
+        if depth + 1 > MAX_DEPTH:
+            raise SerializationError(
+                f"the value nests containers (list, tuple, dict) more than MAX_DEPTH="
+                f"{MAX_DEPTH} deep (or contains itself); send a flatter value."
+            )
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
 
 
 def _encode(obj: Any) -> Any:
@@ -42,18 +78,6 @@ def _encode(obj: Any) -> Any:
     )
 
 
-def _decode(code: int, data: bytes) -> Any:
-    if code == _TUPLE:
-        return tuple(_unpack(data))
-    if code == _NPSCALAR:
-        dtype, raw = _unpack(data)
-        return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
-    if code == _NDARRAY:
-        dtype, shape, raw = _unpack(data)
-        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
-    raise ValueError(f"received a value with unknown extension code {code}.")
-
-
 def _pack(obj: Any) -> bytes:
     # strict_types sends tuples (and int/str subclasses) to _encode instead of
     # silently turning them into lists.
@@ -62,27 +86,101 @@ def _pack(obj: Any) -> bytes:
     return packed
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_decode, raw=False, strict_map_key=False)
+def _dtype(code: Any) -> np.dtype:
+    if not isinstance(code, str):
+        raise SerializationError(f"an array's dtype must be a string, got {code!r}.")
+    dtype = np.dtype(code)
+    if dtype.hasobject:
+        raise SerializationError(f"arrays of dtype {dtype} are not accepted.")
+    return dtype
+
+
+def _fields(data: bytes, depth: int, count: int, what: str) -> list:
+    fields = _unpack(data, depth)
+    if not isinstance(fields, list) or len(fields) != count:
+        raise SerializationError(f"a {what} must be encoded as {count} fields, got {fields!r:.80}.")
+    return fields
+
+
+def _decode(code: int, data: bytes, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        # Checked before msgpack recurses, so the C stack stays bounded.
+        raise SerializationError(f"the value nests more than MAX_DEPTH={MAX_DEPTH} containers.")
+    if code == _TUPLE:
+        items = _unpack(data, depth)
+        if not isinstance(items, list):
+            raise SerializationError(f"a tuple must be encoded as a list, got {items!r:.80}.")
+        return tuple(items)
+    if code == _NPSCALAR:
+        dtype, raw = _fields(data, depth, 2, "numpy scalar")
+        return np.frombuffer(raw, dtype=_dtype(dtype), count=1)[0]
+    if code == _NDARRAY:
+        dtype, shape, raw = _fields(data, depth, 3, "numpy array")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise SerializationError(f"an array's shape must be sizes >= 0, got {shape!r:.80}.")
+        return np.frombuffer(raw, dtype=_dtype(dtype)).reshape(shape).copy()
+    raise SerializationError(f"received a value with unknown extension code {code}.")
+
+
+def _unpack(data: bytes, depth: int) -> Any:
+    return msgpack.unpackb(
+        data,
+        ext_hook=lambda code, inner: _decode(code, inner, depth + 1),
+        raw=False,
+        strict_map_key=False,
+    )
 
 
 def dumps(obj: Any) -> bytes:
     """Encodes ``obj`` for a peer, which decodes it with :func:`loads`.
 
     ``obj`` may nest None, bool, int, float, str, bytes, list, tuple, dict,
-    numpy arrays and numpy scalars freely; ``jax.Array`` s travel as numpy arrays.
+    numpy arrays and numpy scalars, up to :data:`MAX_DEPTH` containers deep;
+    ``jax.Array`` s travel as numpy arrays.
 
     Raises:
       TypeError: ``obj`` holds a value of another type.
+      SerializationError: ``obj`` nests too deep, or encodes to more than
+        :data:`MAX_BYTES`.
 
     Example:
       >>> import numpy as np
       >>> loads(dumps({"step": 3, "shape": (2, 3), "w": np.arange(3)}))
       {'step': 3, 'shape': (2, 3), 'w': array([0, 1, 2])}
     """
-    return _pack(obj)
+    _check_depth(obj)
+    try:
+        packed = _pack(obj)
+    except (ValueError, OverflowError) as e:  # msgpack's limits: ints over 64 bits, 4 GiB
+        raise SerializationError(f"cannot encode the value: {e}") from None
+    if len(packed) > MAX_BYTES:
+        raise SerializationError(
+            f"the value encodes to {len(packed)} bytes, more than MAX_BYTES={MAX_BYTES}; "
+            "host collectives carry small control values (send arrays through a step)."
+        )
+    return packed
 
 
 def loads(data: bytes) -> Any:
-    """Decodes bytes made by :func:`dumps`; builds only the supported types."""
-    return _unpack(data)
+    """Decodes bytes made by :func:`dumps`; builds only the supported types.
+
+    Raises:
+      SerializationError: ``data`` is not a value :func:`dumps` makes, or is
+        over :data:`MAX_BYTES` or :data:`MAX_DEPTH`. Never another error,
+        whatever the bytes.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise SerializationError(f"expected bytes, got {type(data).__name__}.")
+    if len(data) > MAX_BYTES:
+        raise SerializationError(f"received {len(data)} bytes, more than MAX_BYTES={MAX_BYTES}.")
+    try:
+        value = _unpack(bytes(data), 0)
+        _check_depth(value)
+    except SerializationError:
+        raise
+    except Exception as e:  # msgpack, numpy and unicode errors: whatever the bytes say
+        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise SerializationError(
+            f"received {len(data)} bytes that are not a value encoded by fdp.runtime ({detail})."
+        ) from None
+    return value

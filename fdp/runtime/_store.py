@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 import jax
 
+from fdp._validate import check_number, timeout_ms
 from fdp.runtime import _client
 
 DEFAULT_STORE_TIMEOUT = 300.0
@@ -48,7 +49,7 @@ class _Coordination:
 
     def get(self, key: str, timeout: float) -> bytes | None:
         try:
-            return self.client.blocking_key_value_get_bytes(key, max(1, round(timeout * 1000)))
+            return self.client.blocking_key_value_get_bytes(key, timeout_ms(timeout))
         except jax.errors.JaxRuntimeError as e:
             if _client.is_timeout(e):
                 return None
@@ -85,7 +86,7 @@ class _Local:
 
     def get(self, key: str, timeout: float) -> bytes | None:
         with self.changed:
-            self.changed.wait_for(lambda: key in self.data, timeout)
+            self.changed.wait_for(lambda: key in self.data, min(timeout, threading.TIMEOUT_MAX))
             return self.data.get(key)
 
     def delete(self, key: str) -> None:
@@ -128,7 +129,11 @@ class Store:
 
     Args:
       name: the store's namespace.
-      timeout: default seconds for blocking operations.
+      timeout: default seconds for blocking operations (``inf``: as long as
+        JAX's coordination service allows, ~24 days).
+
+    Raises:
+      ValueError: ``timeout`` is not a positive number (NaN, 0 and -1 are not).
 
     Example:
       >>> from fdp import runtime
@@ -145,7 +150,7 @@ class Store:
     def __init__(self, name: str = "default", *, timeout: float = DEFAULT_STORE_TIMEOUT):
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got name={name!r}.")
-        self.timeout = float(timeout)
+        self.timeout = check_number(timeout, "timeout", allow_inf=True)
         self._space = quote(name, safe="")
         client = _client.coordination_client()
         self._backend: _Coordination | _Local = _LOCAL if client is None else _Coordination(client)
@@ -157,10 +162,9 @@ class Store:
         return f"fdp/store/{self._space}/{quote(key, safe='')}"
 
     def _timeout(self, timeout: float | None) -> float:
-        timeout = self.timeout if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
-        return timeout
+        if timeout is None:
+            return self.timeout
+        return check_number(timeout, "timeout", allow_inf=True)
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
@@ -170,10 +174,12 @@ class Store:
         pause = 0.001
         while not self._backend.set(lock, me, overwrite=False):
             if time.monotonic() > deadline:
-                holder = (self._backend.try_get(lock) or b"?").decode()
+                # The holder's record is written by fdp; anything else is shown, not trusted.
+                raw = self._backend.try_get(lock)
+                holder = "?" if raw is None else raw.decode(errors="replace")
                 raise TimeoutError(
-                    f"Store: key {key!r} stayed locked by {holder} for {self.timeout:g} s; "
-                    "did that process die during an update?"
+                    f"Store: key {key!r} stayed locked by {holder!r} (lock key {lock!r}) for "
+                    f"{self.timeout:g} s; did that process die during an update?"
                 )
             time.sleep(pause)
             pause = min(0.05, pause * 2)

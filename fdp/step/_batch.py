@@ -38,13 +38,20 @@ def batch_rows(batch: Any, mask: Any, cfg: StepConfig) -> int:
     read, so this runs before anything is traced.
 
     Raises:
-      ValueError: a leaf is a scalar, leading sizes differ, the batch does not
-        split, or ``mask`` is given wrongly.
+      ValueError: a leaf is a scalar, leading sizes differ, the batch has no
+        rows or does not split, or ``mask`` is given wrongly.
     """
     split = cfg.num_replicas * cfg.accumulate_steps
     size = leading_size(batch, "batch")
     if size is None:
         raise ValueError("batch must hold at least one array, got an empty pytree.")
+    if size == 0:
+        # The mean loss of no examples is NaN, and the step would silently not learn.
+        path, leaf = jax.tree_util.tree_flatten_with_path(batch)[0][0]
+        raise ValueError(
+            f"batch has no rows: leaf {jax.tree_util.keystr(path) or 'batch'} has shape "
+            f"{tuple(jnp.shape(leaf))}; a step needs at least one example (skip empty batches)."
+        )
     if mask is not None and not cfg.per_example:
         raise ValueError(
             "mask= weighs examples and needs per_example=True (a loss_fn returning one "

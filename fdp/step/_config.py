@@ -112,6 +112,9 @@ class StepConfig:
         elif not isinstance(self.axis_name, str):
             raise TypeError(f"axis_name must be a str, got {self.axis_name!r}.")
         cap_limits(self.bucket_cap_mb, self.first_bucket_cap_mb)
+        # Plain floats from here on (np.float32(25) is accepted), for logs and the DETAIL check.
+        object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
+        object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
         object.__setattr__(self, "comm_hook", resolve(self.comm_hook))

@@ -10,6 +10,7 @@ import jax
 from fdp.bucketing import BucketPlan
 from fdp.observe._observer import Observer, logging_data
 from fdp.observe._stats import StatsSchedule
+from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._config import StepConfig
 from fdp.step._plan import StepPlan
 from fdp.step._usage import ParamUsage
@@ -58,6 +59,7 @@ class StepRunner:
         self._last_plan: StepPlan | None = None
         self._plans: dict[Any, StepPlan] = {}
         self._held: tuple[Any, Any] | None = None  # shapes of (params, opt_state), ZeRO
+        self._arg_names = arg_names
         self._observer = Observer(kind, arg_names, batch_arg, stats)
 
     @property
@@ -104,6 +106,11 @@ class StepRunner:
         repeated call costs a lookup.
         """
         leaves, treedef = jax.tree.flatten(args)
+        # A donated state is deleted by the step; passed again, jaxlib can crash the
+        # process (SIGSEGV on a multi-device CPU mesh) instead of raising. Every leaf of
+        # a donated argument goes at once, so its first leaf tells (one call per step).
+        if leaves and _deleted(leaves[0]):
+            raise self._donated_error(args)
         key = (treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", x)) for x in leaves))
         plan = self._plans.get(key)
         if plan is None:
@@ -111,6 +118,20 @@ class StepRunner:
                 self._plans.clear()
             plan = self._plans[key] = compute()
         return plan
+
+    def _donated_error(self, args: tuple) -> RuntimeError:
+        where = ""
+        for i, arg in enumerate(args):
+            gone = [p for p, x in jax.tree_util.tree_flatten_with_path(arg)[0] if _deleted(x)]
+            if gone:
+                name = self._arg_names[i] if i < len(self._arg_names) else f"argument {i}"
+                where = f" ({name}{jax.tree_util.keystr(gone[0])}, and {len(gone) - 1} more)"
+                break
+        return RuntimeError(
+            f"{self._kind}: this state was donated to an earlier step and its arrays are "
+            f"deleted{where}; use the state the step returned: `state, metrics = "
+            "step(state, batch)`. (Build the step with donate=False to keep inputs alive.)"
+        )
 
     def _jit(self) -> Any:
         if self._jitted is None:
@@ -125,8 +146,11 @@ class StepRunner:
     def _run(self, plan: StepPlan, *args: Any) -> Any:
         self._last_plan = plan
         if self._observer.on:
-            return self._observer.run(self._jit(), self.config, plan, args)
-        return self._jit()(plan, *args)
+            out = self._observer.run(self._jit(), self.config, plan, args)
+        else:
+            out = self._jit()(plan, *args)
+        heartbeat.step_done()  # for fdp launch's hang detection (a no-op outside it)
+        return out
 
     def _lower(self, plan: StepPlan, *args: Any) -> Any:
         self._last_plan = plan
@@ -153,3 +177,9 @@ class StepRunner:
                 "(or its .lower(...)) once first."
             )
         return logging_data(self._kind, self.config, self._last_plan)
+
+
+def _deleted(x: Any) -> bool:
+    """Whether ``x`` is a ``jax.Array`` whose buffers were deleted (donated)."""
+    is_deleted = getattr(x, "is_deleted", None)
+    return is_deleted is not None and bool(is_deleted())

@@ -154,3 +154,15 @@ def test_flatten_rejects_a_tree_that_does_not_match():
         unflatten_buckets(plan, [jnp.zeros(3), jnp.zeros(3)])
     with pytest.raises(ValueError, match=r"bucket 0 must be float32\[3\]"):
         unflatten_buckets(plan, [jnp.zeros(3, jnp.bfloat16)])
+
+
+def test_huge_and_numpy_caps_are_numbers():
+    """1e308 MiB overflowed int(); np.float32(25) was 'not a number'."""
+    leaves = [jnp.zeros(3), jnp.zeros(5)]
+    huge = plan_buckets(leaves, bucket_cap_mb=1e308, first_bucket_cap_mb=1e308)
+    assert len(huge.buckets) == 1
+    assert plan_buckets(leaves, bucket_cap_mb=np.float32(25)) == plan_buckets(
+        leaves, bucket_cap_mb=25.0
+    )
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number of MiB"):
+        plan_buckets(leaves, bucket_cap_mb=float("inf"))

@@ -352,3 +352,54 @@ def test_a_straggler_is_named_by_monitored_barrier(tmp_path, marker):
     assert "root cause: rank 0 (local rank 0" in cause
     assert "process(es) [1] did not arrive within 3 s (arrived: [0])" in cause
     assert failure_seconds(out, tmp_path) < 3 + FAILURE_BOUND
+
+
+def test_run_directories_of_killed_launchers_are_removed_at_the_next_start(tmp_path, marker):
+    """A launcher killed with SIGKILL cannot clean up; the next one removes what it left."""
+    dead = start(["-c", "pass"], marker)
+    finish(dead, 30, time.monotonic())
+    stale = tmp_path / f"fdp-launch-pid{dead.pid}-0123abcd-xyz"
+    live = tmp_path / f"fdp-launch-pid{os.getpid()}-0123abcd-xyz"  # this test's: alive
+    for d in (stale, live):
+        (d / "attempt_0").mkdir(parents=True)
+    out = launch(
+        ["--nproc-per-node", "1"], "probe.py", ["ok", tmp_path], marker, timeout=60, TMPDIR=tmp_path
+    )
+    assert out.returncode == 0, out.output
+    assert not stale.exists() and live.exists()
+    assert [p.name for p in tmp_path.glob("fdp-launch-*")] == [live.name]  # its own is gone too
+
+
+def test_the_watchdog_blames_the_stopped_worker_then_the_one_behind(tmp_path, marker):
+    from fdp.launch._watchdog import Watchdog
+
+    sleeper = start(["-c", "import time; time.sleep(30)"], marker)
+    try:
+        beats = {r: tmp_path / f"rank_{r}.heartbeat" for r in (0, 1, 2)}
+        dog = Watchdog(
+            0.3, [(r, sleeper.pid if r == 2 else os.getpid(), str(p)) for r, p in beats.items()]
+        )
+        assert dog.check({0, 1, 2}) is None  # no step yet: compiling is not a hang
+        for r, n in ((0, 7), (1, 5), (2, 6)):
+            beats[r].write_text(f"{n:20d}\n")
+        assert dog.check({0, 1, 2}) is None
+        time.sleep(0.4)
+        hang = dog.check({0, 1, 2})
+        assert (hang.rank, hang.steps, hang.stopped) == (1, 5, False)  # the one behind
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        dog.check({0, 1, 2})
+        time.sleep(0.4)
+        hang = dog.check({0, 1, 2})
+        assert (hang.rank, hang.steps, hang.stopped) == (2, 6, True)  # stopped comes first
+        assert hang.describe().startswith("hung: it completed no step for 0.")
+    finally:
+        sleeper.kill()
+        sleeper.communicate()
+
+
+def test_every_host_of_a_multi_node_run_gets_the_same_run_id():
+    common = ["--nnodes", "2", "--master-addr", "h", "--master-port", "29500", "t.py"]
+    node0, node1 = parse("--node-rank", "0", *common), parse("--node-rank", "1", *common)
+    assert node0.run_id == node1.run_id != parse("--node-rank", "0", *common[:-2], "1", "t.py")
+    assert parse("--run-id", "mine", *common).run_id == "mine"
+    assert parse("t.py").run_id != parse("t.py").run_id  # one host: a fresh id per launch

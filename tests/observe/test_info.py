@@ -54,3 +54,26 @@ def test_cli_info_prints_versions_and_the_variables_that_matter(marker):
     assert out.returncode == 0, out.output
     report = json.loads(out.stdout)
     assert report["jax"]["device_count"] == 4 and report["environment"]["RANK"] == "3"
+
+
+def test_credentials_in_values_are_hidden_wherever_the_variable():
+    """Names alone missed FDP_COORDINATOR_ADDRESS=user:pw@host and FDP_HF_AUTH=..."""
+    from fdp.observe._info import environment
+
+    token = "hf_" + "0123456789abcdefABCDEF" * 2
+    env = environment(
+        {
+            "FDP_COORDINATOR_ADDRESS": "alice:pa55word@10.0.0.1:29500",
+            "FDP_HF_AUTH": "short",
+            "FDP_DATA": f"https://bob:s3cret@hub.example/data?token={token}",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/x",
+            "MASTER_ADDR": "[::1]",
+            "JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+        }
+    )
+    assert env["FDP_COORDINATOR_ADDRESS"] == "<hidden>@10.0.0.1:29500"
+    assert env["FDP_HF_AUTH"] == "<hidden>"
+    assert env["FDP_DATA"] == "https://<hidden>@hub.example/data?token=<hidden>"
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/x"
+    assert (env["MASTER_ADDR"], env["JAX_COORDINATOR_ADDRESS"]) == ("[::1]", "10.0.0.1:1234")
+    assert not any(s in str(env) for s in ("pa55word", "s3cret", token, "short"))

@@ -173,3 +173,66 @@ def test_two_processes_by_hand_with_fdp_variables(marker):
     for out in outs:
         assert out.returncode == 0, out.output
     check_two_processes({**results(outs[0].stdout), **results(outs[1].stdout)}, local_world_size=2)
+
+
+def test_a_faulty_peer_gets_errors_that_name_the_key_the_peer_and_the_expectation(marker):
+    """Garbage payload, a stray key, a different collective, unequal local batches (8 and 6
+    rows, which main trained on silently): fdp's errors, and then on."""
+    out = launch(["--nproc-per-node", "2"], "hostile.py", [], marker, timeout=120)
+    assert out.returncode == 0, out.output
+    res = results(out.stdout)
+    for rank in (0, 1):
+        kind, message = res[rank]["garbage"]
+        assert kind == "SerializationError", message
+        assert "the value of process 0 (key 'fdp/host/0/broadcast_object/value')" in message
+        assert "not a value encoded by fdp.runtime (FormatError)" in message
+        kind, message = res[rank]["stray"]
+        assert kind == "RuntimeError", message
+        assert "found the key 'fdp/host/3/all_gather_object/in/x'" in message
+        assert "only fdp/host/3/all_gather_object/in/0 to" in message
+        assert res[rank]["after"] == [0, 1]
+        kind, message = res[rank]["rows"]
+        assert kind == "ValueError", message
+        assert "same number of rows; got process 0: 8, process 1: 6" in message
+        assert res[rank]["equal_rows"] == [8, 2]
+    kind, message = res[0]["mismatch"]
+    assert kind == "TimeoutError", message
+    assert "process 1 at broadcast_object instead: host collective #4 differs" in message
+    kind, message = res[1]["mismatch"]
+    assert kind == "TimeoutError", message
+    assert "process 0 at barrier instead" in message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0, -1, "5", True])
+def test_store_and_collective_timeouts_must_be_positive_numbers(bad):
+    error = TypeError if isinstance(bad, str | bool) else ValueError
+    with pytest.raises(error, match="timeout must be a"):
+        runtime.Store("bad-timeout", timeout=bad)
+    store = runtime.Store("bad-timeout", timeout=1)
+    with pytest.raises(error, match="timeout must be a"):
+        store.get("k", timeout=bad)
+    for call in (runtime.barrier, runtime.monitored_barrier):
+        with pytest.raises(error, match="timeout must be a"):
+            call(timeout=bad)
+
+
+def test_infinite_and_numpy_timeouts_are_accepted():
+    store = runtime.Store("inf-timeout", timeout=float("inf"))
+    store.set("k", "v")  # (took a lock with an infinite deadline)
+    assert store.get("k", timeout=np.float32(2)) == b"v"
+    store.wait(["k"], timeout=float("inf"))
+    runtime.barrier(timeout=float("inf"))
+    runtime.monitored_barrier(timeout=np.float64(1e308))
+    assert runtime.broadcast_object(1, timeout=float("inf")) == 1
+
+
+def test_a_lock_held_by_a_non_utf8_holder_is_named():
+    from fdp.runtime import _store
+
+    store = runtime.Store("locked", timeout=0.2)
+    store._backend.set("fdp/store-lock/locked/k", b"\xff\xfe peer", overwrite=False)
+    try:
+        with pytest.raises(TimeoutError, match="key 'k' stayed locked by '\ufffd\ufffd peer'"):
+            store.set("k", "v")
+    finally:
+        _store._LOCAL.delete("fdp/store-lock/locked/k")

@@ -75,3 +75,11 @@ def test_describe_lists_every_setting_as_plain_data():
         return value is None or isinstance(value, str | int | float | bool)
 
     assert plain(described)
+
+
+def test_numpy_and_huge_caps_become_plain_floats():
+    import numpy as np
+
+    cfg = StepConfig(bucket_cap_mb=np.float32(25), first_bucket_cap_mb=1e308)
+    assert (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb) == (25.0, 1e308)
+    assert type(cfg.bucket_cap_mb) is float
