@@ -129,7 +129,8 @@ def gather_params(params: Any, plan: BucketPlan, axis_name: str, n: int) -> Any:
     dims = bucket_shard_dims(plan, n)
     out = list(leaves)
     order = [i for b in reversed(plan.buckets) for i in reversed(b.leaf_indices)]
-    order += [i for i in range(len(leaves)) if i not in set(order)]
+    bucketed = set(order)
+    order += [i for i in range(len(leaves)) if i not in bucketed]
     gathered = gather([leaves[i] for i in order], [dims[i] for i in order], axis_name)
     for i, whole in zip(order, gathered, strict=True):
         out[i] = whole
