@@ -13,6 +13,7 @@ from fdp.data._data_parallel import data_parallel as data_parallel
 from fdp.data._join import join as join
 from fdp.data._join import pad_batch as pad_batch
 from fdp.data._placement import DATA_AXIS as DATA_AXIS
+from fdp.data._placement import HOST_AXES as HOST_AXES
 from fdp.data._placement import data_mesh as data_mesh
 from fdp.data._placement import replicate as replicate
 from fdp.data._placement import shard_batch as shard_batch
@@ -62,6 +63,7 @@ __all__ = [
     "CheckpointManager",
     "CollectiveStats",
     "DATA_AXIS",
+    "HOST_AXES",
     "DataParallelStep",
     "DebugLevel",
     "DistributedSampler",

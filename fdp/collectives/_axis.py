@@ -8,7 +8,12 @@ import jax
 
 from fdp._compat import varying_axes
 
-AxisName = str
+# One mesh axis, or several taken together (outer first), as JAX's collectives accept.
+AxisName = str | tuple[str, ...]
+
+
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -87,9 +92,10 @@ def is_varying(x: jax.Array, axis_name: AxisName) -> bool | None:
     varies over. Under ``check_vma=False`` or ``pmap`` nothing is recorded, which
     we recognise because even ``axis_index`` then carries no axis.
     """
-    if axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
+    names = _names(axis_name)
+    if not set(names) <= varying_axes(jax.lax.axis_index(axis_name)):
         return None
-    return axis_name in varying_axes(x)
+    return set(names) <= varying_axes(x)
 
 
 def vary(tree: Any, axis_name: AxisName) -> Any:

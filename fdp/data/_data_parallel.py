@@ -9,12 +9,13 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
+from fdp.collectives._axis import AxisName
+from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.data._rows import leading_size, pad_rows
 
 
 def data_parallel(
-    fn: Callable[[Any, Any], Any], *, mesh: Mesh | None = None, axis_name: str = DATA_AXIS
+    fn: Callable[[Any, Any], Any], *, mesh: Mesh | None = None, axis_name: AxisName = DATA_AXIS
 ) -> Callable[[Any, Any], Any]:
     """Applies ``fn(params, batch)`` to a large batch across devices (DataParallel).
 
@@ -45,7 +46,7 @@ def data_parallel(
         mesh=mesh,
         in_specs=(P(), P(axis_name)),
         out_specs=P(axis_name),
-        axis_names={axis_name},
+        axis_names=set(axis_names_of(axis_name)),
     )
 
     @jax.jit

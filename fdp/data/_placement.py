@@ -8,26 +8,41 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fdp._validate import check_int
+from fdp.collectives._axis import AxisName
 from fdp.data._rows import leading_size
 from fdp.runtime._consistency import check_consistent
 from fdp.runtime._host import all_gather_object
 
 DATA_AXIS = "data"
+# Names of a host x device data mesh's axes: outer (processes/hosts), inner (devices).
+HOST_AXES = ("host", "device")
 
 
 def data_mesh(
     devices: Sequence[Any] | None = None,
     *,
-    axis_name: str = DATA_AXIS,
+    axis_name: AxisName = DATA_AXIS,
     axis_type: AxisType = AxisType.Auto,
+    hosts: int | None = None,
 ) -> Mesh:
-    """A 1-D mesh over ``devices`` (default: every device of every process).
+    """The data-parallel mesh over ``devices`` (default: every device of every process).
 
-    The axis is ``Auto`` by default (``jax.make_mesh`` would make it
+    With one axis name it is a 1-D mesh. With two, ``axis_name=(outer, inner)``
+    (fdp's names are ``fdp.HOST_AXES == ("host", "device")``), it is a host x
+    device mesh: the outer axis spans processes (hosts), the inner one each
+    host's devices, so collectives over the inner axis stay inside a host. With
+    several processes it is JAX's hybrid mesh
+    (``mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True)``);
+    in one process ``hosts`` cuts the devices into that many groups of
+    consecutive devices, which simulates hosts. Pass the same tuple as the
+    step's ``axis_name`` to use both axes together as the data axis.
+
+    The axes are ``Auto`` by default (``jax.make_mesh`` would make them
     ``Explicit``): fdp's steps work on either, but ordinary jitted code on a
     batch placed on an Explicit data axis can fail to type-check (for example
     ``nn.Embed`` raises ``ShardingTypeError``), and a DDP user's evaluation code
@@ -35,38 +50,102 @@ def data_mesh(
 
     Args:
       devices: the devices, in rank order. Defaults to ``jax.devices()``.
-      axis_name: the name of the data axis.
-      axis_type: ``jax.sharding.AxisType`` of the axis.
+      axis_name: the name of the data axis, or ``(outer, inner)`` for a host x
+        device mesh.
+      axis_type: ``jax.sharding.AxisType`` of the axes.
+      hosts: size of the outer axis of a host x device mesh. Defaults to the
+        number of processes.
 
     Returns:
-      A ``jax.sharding.Mesh`` with one axis named ``axis_name``.
+      A ``jax.sharding.Mesh``.
+
+    Raises:
+      ValueError: no devices; ``hosts`` does not divide the devices; or
+        ``hosts`` is given for a 1-D mesh.
 
     Example:
-      >>> mesh = data_mesh()
-      >>> dict(mesh.shape)
+      >>> dict(data_mesh().shape)
       {'data': 8}
+      >>> dict(data_mesh(axis_name=("host", "device"), hosts=2).shape)
+      {'host': 2, 'device': 4}
     """
+    names = axis_names_of(axis_name)
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices must name at least one device, got an empty list.")
-    return jax.make_mesh((len(devices),), (axis_name,), axis_types=(axis_type,), devices=devices)
+    if len(names) == 1:
+        if hosts is not None:
+            raise ValueError(
+                f"hosts={hosts!r} needs a host x device mesh: pass axis_name=(outer, inner), "
+                'for example axis_name=("host", "device").'
+            )
+        return jax.make_mesh((len(devices),), names, axis_types=(axis_type,), devices=devices)
+    if len(names) != 2:
+        raise ValueError(f"axis_name must name one axis or two (outer, inner), got {axis_name!r}.")
+    return Mesh(_host_grid(devices, hosts), names, axis_types=(axis_type,) * 2)
 
 
-def check_axis(mesh: Mesh, axis_name: str) -> int:
-    """Returns the size of ``axis_name`` in ``mesh``, or raises naming the axes it has.
+def _host_grid(devices: list[Any], hosts: int | None) -> np.ndarray:
+    """``devices`` as a [hosts, devices per host] array, one process per row when possible."""
+    processes = len({d.process_index for d in devices})
+    if hosts is None:
+        hosts = processes
+    hosts = check_int(hosts, "hosts", low=1)
+    if len(devices) % hosts:
+        raise ValueError(
+            f"hosts={hosts} must divide the {len(devices)} devices of the mesh evenly; "
+            f"got a remainder of {len(devices) % hosts}."
+        )
+    if processes > 1 and hosts == processes:
+        per = len(devices) // hosts
+        return mesh_utils.create_hybrid_device_mesh(
+            (1, per), (hosts, 1), devices, process_is_granule=True
+        )
+    return np.array(devices, dtype=object).reshape(hosts, -1)
+
+
+def axis_names_of(axis_name: AxisName) -> tuple[str, ...]:
+    """The mesh axes a data axis spans: ``'data'`` -> ``('data',)``.
 
     Raises:
-      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
-      ValueError: the mesh has no axis called ``axis_name``.
+      TypeError: ``axis_name`` is neither a str nor a non-empty tuple of
+        distinct strs.
+    """
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if (
+        not isinstance(names, tuple)
+        or not names
+        or not all(isinstance(n, str) for n in names)
+        or len(set(names)) != len(names)
+    ):
+        raise TypeError(
+            "axis_name must be a mesh axis name (str) or a tuple of distinct names "
+            f"(outer, inner) taken together as the data axis, got {axis_name!r}."
+        )
+    return names
+
+
+def check_axis(mesh: Mesh, axis_name: AxisName) -> int:
+    """Returns the size of the data axis in ``mesh``, or raises naming the axes it has.
+
+    A tuple ``axis_name`` names several mesh axes that together form the data
+    axis (its size is their product), outer first.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``, or ``axis_name`` is
+        not a name or a tuple of names.
+      ValueError: the mesh has no axis called ``axis_name`` (or one of them).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
-    if axis_name not in mesh.shape:
+    names = axis_names_of(axis_name)
+    missing = [n for n in names if n not in mesh.shape]
+    if missing:
         raise ValueError(
             f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
             f"{tuple(mesh.axis_names)}; pass axis_name= to name the data axis."
         )
-    return int(mesh.shape[axis_name])
+    return int(np.prod([mesh.shape[n] for n in names]))
 
 
 @functools.lru_cache(maxsize=32)
@@ -120,19 +199,19 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     )
 
 
-def _local_data_size(mesh: Mesh, axis_name: str) -> int:
+def _local_data_size(mesh: Mesh, axis_name: AxisName) -> int:
     """Number of distinct positions along the data axis held by this process."""
-    pos = list(mesh.axis_names).index(axis_name)
+    pos = [list(mesh.axis_names).index(n) for n in axis_names_of(axis_name)]
     me = jax.process_index()
     idx = np.argwhere(np.vectorize(lambda d: d.process_index == me)(mesh.devices))
-    return len(set(idx[:, pos].tolist()))
+    return len({tuple(row) for row in idx[:, pos].tolist()})
 
 
 # (mesh, axis, rows) that every process was seen to pass together: checked once each.
-_AGREED_ROWS: set[tuple[Mesh, str, int]] = set()
+_AGREED_ROWS: set[tuple[Mesh, AxisName, int]] = set()
 
 
-def _check_rows_agree(rows: int, mesh: Mesh, axis_name: str) -> None:
+def _check_rows_agree(rows: int, mesh: Mesh, axis_name: AxisName) -> None:
     """Raises unless every process passes ``rows`` rows; one exchange per new size."""
     key = (mesh, axis_name, rows)
     if key in _AGREED_ROWS:
@@ -151,7 +230,7 @@ def _check_rows_agree(rows: int, mesh: Mesh, axis_name: str) -> None:
     _AGREED_ROWS.add(key)
 
 
-def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: str = DATA_AXIS) -> Any:
+def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: AxisName = DATA_AXIS) -> Any:
     """Splits a batch along its leading axis over the data axis of ``mesh``.
 
     In a single process ``batch`` is the global batch. With several processes

@@ -12,6 +12,7 @@ from fdp.hooks._basic import fp16_compress as fp16_compress
 from fdp.hooks._basic import fp16_compress_wrapper as fp16_compress_wrapper
 from fdp.hooks._basic import noop as noop
 from fdp.hooks._bucketed import reduce_with_hook as reduce_with_hook
+from fdp.hooks._compressed import compressed_allreduce as compressed_allreduce
 from fdp.hooks._contract import CommHook as CommHook
 from fdp.hooks._contract import GradBucket as GradBucket
 from fdp.hooks._contract import with_reduce_scatter as with_reduce_scatter
@@ -28,6 +29,7 @@ from fdp.hooks._quantize import quantize_per_channel as quantize_per_channel
 from fdp.hooks._quantize import quantize_per_tensor as quantize_per_tensor
 from fdp.hooks._registry import HOOKS as HOOKS
 from fdp.hooks._registry import resolve as resolve
+from fdp.hooks._two_level import hierarchical as hierarchical
 
 __all__ = [
     "HOOKS",
@@ -42,8 +44,10 @@ __all__ = [
     "batched_powersgd",
     "bf16_compress",
     "bf16_compress_wrapper",
+    "compressed_allreduce",
     "fp16_compress",
     "fp16_compress_wrapper",
+    "hierarchical",
     "noop",
     "post_local_sgd",
     "powersgd",

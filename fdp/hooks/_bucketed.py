@@ -10,6 +10,7 @@ import numpy as np
 
 from fdp.bucketing import BucketPlan, check_tree, has_gradient, plan_for
 from fdp.collectives import axis_size, is_varying
+from fdp.collectives._axis import AxisName
 from fdp.hooks._basic import allreduce
 from fdp.hooks._contract import (
     CommHook,
@@ -23,7 +24,7 @@ from fdp.hooks._contract import (
 )
 
 
-def check_not_reduced(leaves: list[Any], plan: BucketPlan, axis_name: str) -> None:
+def check_not_reduced(leaves: list[Any], plan: BucketPlan, axis_name: AxisName) -> None:
     """Raises if bucketed gradients are already reduced over ``axis_name``.
 
     Inside ``shard_map`` with ``check_vma=True``, ``jax.grad`` with respect to
@@ -57,7 +58,7 @@ def reduce_with_hook(
     state: HookState,
     grads: Any,
     *,
-    axis_name: str = "data",
+    axis_name: AxisName = "data",
     plan: BucketPlan | None = None,
     layout: Layout = "leaves",
     params: Any = None,
@@ -133,7 +134,7 @@ def reduce_with_hook(
 def reduce_gradients(
     grads: Any,
     *,
-    axis_name: str = "data",
+    axis_name: AxisName = "data",
     plan: BucketPlan | None = None,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,

@@ -22,6 +22,7 @@ import numpy as np
 
 from fdp.bucketing import Bucket, BucketPlan, pack, unpack
 from fdp.collectives import axis_size, sum_over
+from fdp.collectives._axis import AxisName
 
 HookState = Any
 Layout = Literal["leaves", "flat"]
@@ -57,7 +58,7 @@ class GradBucket:
         gradients: Sequence[jax.Array],
         *,
         is_last: bool,
-        axis_name: str,
+        axis_name: AxisName,
         layout: str = "leaves",
         parameters: Sequence[jax.Array] | None = None,
         shard_dims: Sequence[int | None] | None = None,
@@ -206,7 +207,7 @@ def reduce_scatter_of(hook: CommHook) -> ReduceFn | None:
 
 def mean_all_reduce(
     values: Sequence[jax.Array],
-    axis_name: str,
+    axis_name: AxisName,
     *,
     divide_first: bool = True,
     groups: list[list[int]] | None = None,
@@ -247,7 +248,7 @@ def mean_all_reduce(
 def mean_reduce_scatter(
     values: Sequence[jax.Array],
     dims: Sequence[int | None],
-    axis_name: str,
+    axis_name: AxisName,
     *,
     flat: bool = False,
 ) -> list[jax.Array]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from fdp._validate import check_int
 from fdp.collectives import axis_size, vary
+from fdp.collectives._axis import AxisName
 from fdp.hooks._local_sgd import ModelAverager
 
 
@@ -126,7 +127,7 @@ class HierarchicalModelAverager(ModelAverager):
             level = jnp.where(step % period == 0, k, level)
         return jnp.where(step >= self.warmup_steps, level, 0)
 
-    def average(self, params: Any, step: jax.Array, axis_name: str) -> Any:
+    def average(self, params: Any, step: jax.Array, axis_name: AxisName) -> Any:
         """``params`` averaged within the groups due at ``step``, else unchanged."""
         n = axis_size(axis_name)
         if self.levels[-1][1] != n:

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from fdp._validate import check_int
 from fdp.bucketing import BucketPlan
 from fdp.collectives import axis_size, vary
+from fdp.collectives._axis import AxisName
 from fdp.hooks._contract import CommHook, GradBucket, HookState, mean_all_reduce
 
 
-def subgroups(axis_name: str, subgroup_size: int | None) -> list[list[int]]:
+def subgroups(axis_name: AxisName, subgroup_size: int | None) -> list[list[int]]:
     """Consecutive ranks of the data axis in groups of ``subgroup_size``.
 
     ``None`` means the devices of one process (``jax.local_device_count()``),
@@ -104,7 +105,7 @@ class ModelAverager:
     #: typing (a grouped ``psum`` does not).
     vma_safe: bool = True
 
-    def average(self, params: Any, step: jax.Array, axis_name: str) -> Any:
+    def average(self, params: Any, step: jax.Array, axis_name: AxisName) -> Any:
         """``params`` averaged as due at ``step``, else unchanged."""
         raise NotImplementedError
 
@@ -143,7 +144,7 @@ class PeriodicModelAverager(ModelAverager):
         after = step - self.warmup_steps
         return (step >= self.warmup_steps) & (after % self.period == 0)
 
-    def average(self, params: Any, step: jax.Array, axis_name: str) -> Any:
+    def average(self, params: Any, step: jax.Array, axis_name: AxisName) -> Any:
         """``params`` averaged over ``axis_name`` when :meth:`due`, else unchanged."""
         return jax.lax.cond(
             self.due(step),

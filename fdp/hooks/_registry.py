@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fdp.hooks._basic import allreduce, bf16_compress, fp16_compress, noop
+from fdp.hooks._compressed import compressed_allreduce
 from fdp.hooks._contract import CommHook
 from fdp.hooks._powersgd import batched_powersgd, powersgd
 from fdp.hooks._quantize import quantize_per_channel, quantize_per_tensor
@@ -18,6 +19,9 @@ HOOKS: dict[str, Callable[[], CommHook]] = {
     "quantize_per_channel": quantize_per_channel,
     "powersgd": powersgd,
     "batched_powersgd": batched_powersgd,
+    "compressed_int8": lambda: compressed_allreduce("int8"),
+    "compressed_bf16": lambda: compressed_allreduce("bfloat16"),
+    "compressed_fp16": lambda: compressed_allreduce("float16"),
 }
 
 

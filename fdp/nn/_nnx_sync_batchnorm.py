@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
 from fdp.nn._moments import (
     bound_axis,
@@ -109,7 +110,7 @@ class NNXSyncBatchNorm(nnx.Module):
         )
 
 
-def _from_batchnorm(bn: nnx.BatchNorm, axis_name: str) -> NNXSyncBatchNorm:
+def _from_batchnorm(bn: nnx.BatchNorm, axis_name: AxisName) -> NNXSyncBatchNorm:
     if not isinstance(bn.axis, int) or bn.axis_index_groups is not None:
         raise NotImplementedError(
             "fdp.convert_sync_batchnorm: an nnx.BatchNorm with several feature axes or "
@@ -136,7 +137,7 @@ def _from_batchnorm(bn: nnx.BatchNorm, axis_name: str) -> NNXSyncBatchNorm:
     return sync
 
 
-def convert_sync_batchnorm(module: nnx.Module, *, axis_name: str = DATA_AXIS) -> nnx.Module:
+def convert_sync_batchnorm(module: nnx.Module, *, axis_name: AxisName = DATA_AXIS) -> nnx.Module:
     """Replaces every ``nnx.BatchNorm`` in ``module`` by an :class:`NNXSyncBatchNorm`.
 
     torch's ``SyncBatchNorm.convert_sync_batchnorm``: the new layers keep the old

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
 from fdp.nn._moments import (
     bound_axis,
@@ -189,7 +190,7 @@ class SyncBatchNorm(nn.Module):
 
 
 @contextlib.contextmanager
-def sync_batchnorm(axis_name: str = DATA_AXIS) -> Iterator[None]:
+def sync_batchnorm(axis_name: AxisName = DATA_AXIS) -> Iterator[None]:
     """Runs every Flax Linen ``nn.BatchNorm`` called in the block with torch's statistics.
 
     torch's ``SyncBatchNorm.convert_sync_batchnorm`` for an existing Linen model:

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import plan_for
 from fdp.collectives import vary
+from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
 from fdp.hooks import CommHook, reduce_with_hook
 from fdp.nn._moments import using_example_mask
@@ -144,7 +145,7 @@ class GradAccumulator:
     def _global_sync(self, state: Any, acc: Accumulated) -> tuple[Any, dict[str, Any]]:
         cfg = self.config
         plan = plan_for(state.params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-        if jax.tree.leaves(jax.eval_shape(lambda p: cfg.comm_hook.init(p, plan), state.params)):
+        if jax.tree.leaves(jax.eval_shape(lambda p: cfg.hook.init(p, plan), state.params)):
             raise ValueError(
                 f"comm hook {cfg.comm_hook.name!r} keeps state between steps, which "
                 "grad_accumulator does not carry; use fdp.train_step(accumulate_steps=...)."
@@ -165,7 +166,7 @@ class GradAccumulator:
                 scale = 1.0 / jnp.maximum(acc.weight, 1.0)
             grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), acc.grads, state.params)
             grads, _ = reduce_with_hook(
-                cfg.comm_hook,
+                cfg.hook,
                 (),
                 grads,
                 axis_name=cfg.axis_name,
@@ -192,7 +193,7 @@ def grad_accumulator(
     loss_fn: LossFn,
     *,
     mesh: Mesh | None = None,
-    axis_name: str = DATA_AXIS,
+    axis_name: AxisName = DATA_AXIS,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
     donate: bool = True,

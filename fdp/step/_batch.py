@@ -88,7 +88,10 @@ def local_batch_struct(batch: Any, rows: int, cfg: StepConfig) -> Any:
 def _place(tree: Any, cfg: StepConfig) -> Any:
     mesh = cfg.bound_mesh
     sharding = NamedSharding(mesh, P(cfg.axis_name))
-    if mesh.axis_types[mesh.axis_names.index(cfg.axis_name)] == AxisType.Explicit:
+    explicit = [
+        mesh.axis_types[mesh.axis_names.index(n)] == AxisType.Explicit for n in cfg.axis_names
+    ]
+    if any(explicit):
         return jax.reshard(tree, sharding)
     return jax.lax.with_sharding_constraint(tree, sharding)
 

@@ -13,9 +13,12 @@ from jax.sharding import Mesh
 
 from fdp import _compat
 from fdp.bucketing import cap_limits
-from fdp.data._placement import DATA_AXIS, check_axis, data_mesh
+from fdp.collectives._axis import AxisName
+from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.hooks import CommHook, ModelAverager, resolve
 from fdp.hooks._contract import Layout, reduce_scatter_of
+from fdp.hooks._reduce_dtype import reduce_in
+from fdp.hooks._two_level import hierarchical, split_axis
 from fdp.step._zero import check_stage
 
 StepLayout = Literal["auto", "leaves", "flat"]
@@ -41,7 +44,8 @@ class StepConfig:
 
     Attributes:
       mesh: the device mesh; None for :func:`fdp.data_mesh` over all devices.
-      axis_name: the data axis of ``mesh``.
+      axis_name: the data axis of ``mesh``, or a tuple of its axes (outer
+        first, e.g. ``("host", "device")``) that together form the data axis.
       bucket_cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``).
       first_bucket_cap_mb: first-bucket cap in MiB.
       has_aux: the loss function returns ``(loss, aux)``.
@@ -75,6 +79,15 @@ class StepConfig:
       zero_stage: ZeRO's stage (DeepSpeed's meaning): 0, DDP; 1, the optimizer
         state sharded over the data axis; 2, also the reduced gradients; 3, also
         the parameters between steps.
+      hierarchical: with ``axis_name=(outer, inner)``, reduce each bucket in
+        two levels (:func:`fdp.hooks.hierarchical`): reduce-scatter inside
+        hosts, ``comm_hook`` across hosts on ``1/inner`` of the bytes,
+        all-gather inside hosts.
+      reduce_dtype: the dtype gradients are reduced in (FSDP2's
+        ``MixedPrecisionPolicy.reduce_dtype``), None for their own. Wider than a
+        gradient (float32 for bfloat16 parameters): cast up, reduced, cast
+        back. Narrower (bfloat16 for float32): sent in it and summed in
+        float32 (:func:`fdp.hooks.compressed_allreduce`).
 
     Example:
       >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
@@ -88,7 +101,7 @@ class StepConfig:
     """
 
     mesh: Mesh | None = None
-    axis_name: str = DATA_AXIS
+    axis_name: AxisName = DATA_AXIS
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     has_aux: bool = False
@@ -105,12 +118,16 @@ class StepConfig:
     weighting: str = "example"
     divide_by_initial_world_size: bool = True
     zero_stage: int = 0
+    hierarchical: bool = False
+    reduce_dtype: Any = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.axis_name, list):  # a list reads as the tuple it means
+            object.__setattr__(self, "axis_name", tuple(self.axis_name))
         if self.mesh is not None:
             check_axis(self.mesh, self.axis_name)
-        elif not isinstance(self.axis_name, str):
-            raise TypeError(f"axis_name must be a str, got {self.axis_name!r}.")
+        else:
+            axis_names_of(self.axis_name)
         cap_limits(self.bucket_cap_mb, self.first_bucket_cap_mb)
         # Plain floats from here on (np.float32(25) is accepted), for logs and the DETAIL check.
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
@@ -151,6 +168,54 @@ class StepConfig:
             )
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
         self._check_zero()
+        self._check_reduction()
+
+    def _check_reduction(self) -> None:
+        """Checks ``hierarchical`` and ``reduce_dtype`` against the rest."""
+        if not isinstance(self.hierarchical, bool):
+            raise TypeError(f"hierarchical must be a bool, got {self.hierarchical!r}.")
+        if self.hierarchical:
+            split_axis(self.axis_name, "hierarchical=True")
+            if self.zero_stage:
+                raise ValueError(
+                    f"hierarchical=True with zero_stage={self.zero_stage} is not supported: "
+                    "ZeRO reduce-scatters over the whole data axis. Use one or the other."
+                )
+            hierarchical(self.comm_hook)  # refuses hooks whose replicas diverge
+        if self.reduce_dtype is None:
+            return
+        try:
+            dtype = np.dtype(jnp.dtype(self.reduce_dtype))
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                "reduce_dtype must be a floating dtype (e.g. jnp.float32), got "
+                f"{self.reduce_dtype!r}."
+            )
+        object.__setattr__(self, "reduce_dtype", dtype)
+        if self.comm_hook.name != "allreduce" or self.zero_stage >= 2:
+            raise ValueError(
+                f"reduce_dtype={dtype.name!r} sets the dtype of the default mean all-reduce; "
+                f"got comm_hook={self.comm_hook.name!r}, zero_stage={self.zero_stage}. With a "
+                "hook, pick its dtype with the hook (bf16_compress_wrapper, "
+                "compressed_allreduce); with zero_stage >= 2 leave reduce_dtype unset."
+            )
+
+    @property
+    def hook(self) -> CommHook:
+        """The hook the step runs: ``comm_hook`` as ``hierarchical``/``reduce_dtype`` make it.
+
+        Needs a bound config when ``hierarchical`` (the hook is sized to the
+        devices per host).
+        """
+        hook = self.comm_hook
+        if self.hierarchical:
+            inner = self.axis_names[1]
+            hook = hierarchical(hook, inner_size=int(self._need_bound("hook").shape[inner]))
+        if self.reduce_dtype is not None:
+            hook = reduce_in(hook, self.reduce_dtype)
+        return hook
 
     def _check_zero(self) -> None:
         """Refuses what cannot work with a sharded step, saying why."""
@@ -179,7 +244,8 @@ class StepConfig:
                 "with zero_stage=0 or 1."
             )
         if self.mesh is not None:
-            others = {a: s for a, s in self.mesh.shape.items() if a != self.axis_name and s > 1}
+            data = axis_names_of(self.axis_name)
+            others = {a: s for a, s in self.mesh.shape.items() if a not in data and s > 1}
             if others:
                 raise ValueError(
                     f"zero_stage={stage} shards over the data axis {self.axis_name!r} only; "
@@ -230,9 +296,14 @@ class StepConfig:
         return "flat" if self.layout == "flat" else "leaves"
 
     @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The mesh axes that form the data axis, outer first."""
+        return axis_names_of(self.axis_name)
+
+    @property
     def num_replicas(self) -> int:
         """Devices along the data axis (DDP's world size)."""
-        return int(self._need_bound("num_replicas").shape[self.axis_name])
+        return check_axis(self._need_bound("num_replicas"), self.axis_name)
 
     @property
     def check_vma(self) -> bool:
@@ -242,7 +313,7 @@ class StepConfig:
         where fdp's reductions become identities.
         """
         averager_safe = self.model_averager is None or self.model_averager.vma_safe
-        return self.comm_hook.vma_safe and averager_safe and self.num_replicas > 1
+        return self.hook.vma_safe and averager_safe and self.num_replicas > 1
 
     @property
     def scatters_gradients(self) -> bool:
@@ -282,7 +353,7 @@ class StepConfig:
             mesh=self._need_bound("shard_map"),
             in_specs=in_specs,
             out_specs=out_specs,
-            axis_names={self.axis_name},
+            axis_names=set(self.axis_names),
             check_vma=self.check_vma,
         )
 
@@ -309,6 +380,8 @@ class StepConfig:
                 out[field.name] = str(value)
             elif callable(value):  # a buffer hook: its name, the same on every process
                 out[field.name] = getattr(value, "__qualname__", type(value).__name__)
+            elif isinstance(value, tuple):  # a host x device axis_name
+                out[field.name] = list(value)
             elif value is None or isinstance(value, str | int | float | bool):
                 out[field.name] = value
             else:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
+from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
 from fdp.step._config import StepConfig
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
@@ -49,14 +50,14 @@ class Reduced(NamedTuple):
     metrics: dict[str, Any]
 
 
-def device_rng(rng: jax.Array | None, axis_name: str) -> jax.Array | None:
+def device_rng(rng: jax.Array | None, axis_name: AxisName) -> jax.Array | None:
     """A different key per device, as each DDP rank draws its own dropout masks."""
     if rng is None:
         return None
     return jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
 
 
-def sync_buffers(buffers: Any, mode: Any, axis_name: str) -> Any:
+def sync_buffers(buffers: Any, mode: Any, axis_name: AxisName) -> Any:
     """Buffers changed per device by the forward pass, made one again.
 
     ``'broadcast'``: device 0's values (DDP's ``broadcast_buffers=True``).
@@ -81,7 +82,7 @@ def sync_buffers(buffers: Any, mode: Any, axis_name: str) -> Any:
     return jax.tree.map(leaf, buffers)
 
 
-def reduce_metrics(loss: jax.Array, aux: Any, axis_name: str) -> dict[str, Any]:
+def reduce_metrics(loss: jax.Array, aux: Any, axis_name: AxisName) -> dict[str, Any]:
     """The loss (already reduced) and aux averaged over the data axis.
 
     Integer and bool aux leaves are summed: counts add up.
@@ -149,7 +150,7 @@ def reduce_step(
         track=plan.usage.conditional if tracked else (),
     )
     grads, hook_state = reduce_with_hook(
-        config.comm_hook,
+        config.hook,
         hook_state,
         out.grads,
         axis_name=axis,

@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import plan_for
+from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
 from fdp.hooks import CommHook, ModelAverager
 from fdp.observe._stats import StatsSchedule
@@ -260,7 +261,7 @@ def train_step(
     loss_fn: LossFn,
     *,
     mesh: Mesh | None = None,
-    axis_name: str = DATA_AXIS,
+    axis_name: AxisName = DATA_AXIS,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
     has_aux: bool = False,
@@ -278,6 +279,8 @@ def train_step(
     weighting: str = "example",
     divide_by_initial_world_size: bool = True,
     zero_stage: int = 0,
+    hierarchical: bool = False,
+    reduce_dtype: Any = None,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
 
@@ -294,7 +297,8 @@ def train_step(
         ``(loss, (aux, new_batch_stats))`` with both.
       mesh: the mesh (default: all devices on one ``'data'`` axis). Other mesh
         axes are left to the compiler, so parameters may be sharded over them.
-      axis_name: the data axis of ``mesh``.
+      axis_name: the data axis of ``mesh``, or ``(outer, inner)``: two mesh
+        axes taken together (a host x device mesh, :func:`fdp.data_mesh`).
       bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB).
       first_bucket_cap_mb: cap of the first bucket (MiB).
       has_aux: ``loss_fn`` returns aux values, averaged over the data axis
@@ -344,6 +348,13 @@ def train_step(
         ``3`` also the parameters, which stay sharded between steps and are
         gathered bucket by bucket at the start of each. The parameters after
         each step equal stage 0's. See docs/zero.md.
+      hierarchical: with ``axis_name=(outer, inner)`` on a host x device mesh,
+        reduce each bucket in two levels: reduce-scatter inside hosts,
+        ``comm_hook`` across hosts on ``1/inner`` of the bytes, all-gather
+        inside hosts (:func:`fdp.hooks.hierarchical`; docs/comm-hooks.md).
+      reduce_dtype: the dtype gradients are reduced in (FSDP2's
+        ``reduce_dtype``): wider than a gradient, cast up and back; narrower,
+        sent in it and summed in float32. None: their own dtype.
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from fdp.collectives import mean_over, sum_over, vary
+from fdp.collectives._axis import AxisName
 from fdp.nn._moments import using_example_mask
 from fdp.step._batch import split_mask
 from fdp.step._usage import nonzero_flags
@@ -66,7 +67,7 @@ class LossWeights:
 
 
 def _example_scale(
-    weights: jax.Array, axis_name: str, how: LossWeights
+    weights: jax.Array, axis_name: AxisName, how: LossWeights
 ) -> tuple[jax.Array, jax.Array]:
     """``(s, R)``: the scale of this device's weighted loss sum, and the real examples."""
     w, holds = split_mask(weights)
@@ -107,7 +108,7 @@ class LocalGrads:
     carry: Any
     used: jax.Array
 
-    def global_loss(self, axis_name: str) -> jax.Array:
+    def global_loss(self, axis_name: AxisName) -> jax.Array:
         """The loss over the whole batch (a collective: call it after the buckets)."""
         if self.total is None:
             return mean_over(self.loss, axis_name)
@@ -145,7 +146,7 @@ def local_gradients(
     batch: Any,
     carry: Any,
     *,
-    axis_name: str,
+    axis_name: AxisName,
     accumulate_steps: int = 1,
     accum_dtype: Any = None,
     per_example: bool = False,

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan, plan_for
+from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, replicate
 from fdp.hooks import CommHook
 from fdp.observe._stats import StatsSchedule
@@ -289,7 +290,7 @@ def nnx_train_step(
     loss_fn: LossFn,
     *,
     mesh: Mesh | None = None,
-    axis_name: str = DATA_AXIS,
+    axis_name: AxisName = DATA_AXIS,
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
     has_aux: bool = False,
@@ -306,6 +307,8 @@ def nnx_train_step(
     weighting: str = "example",
     divide_by_initial_world_size: bool = True,
     zero_stage: int = 0,
+    hierarchical: bool = False,
+    reduce_dtype: Any = None,
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
 
@@ -320,7 +323,8 @@ def nnx_train_step(
       loss_fn: ``loss_fn(model, batch)`` returning the mean loss over the local
         batch, or ``(loss, aux)`` with ``has_aux=True``.
       mesh: the mesh (default: all devices on one ``'data'`` axis).
-      axis_name: the data axis of ``mesh``.
+      axis_name: the data axis of ``mesh``, or ``(outer, inner)``: two mesh
+        axes taken together (a host x device mesh, :func:`fdp.data_mesh`).
       bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB).
       first_bucket_cap_mb: cap of the first bucket (MiB).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
@@ -350,6 +354,9 @@ def nnx_train_step(
       divide_by_initial_world_size: torch's ``Join`` option; see
         :func:`fdp.train_step`.
       zero_stage: ZeRO's stage 0-3 (see :func:`fdp.train_step` and docs/zero.md).
+      hierarchical: two-level reduction on a host x device mesh (see
+        :func:`fdp.train_step`).
+      reduce_dtype: the dtype gradients are reduced in (see :func:`fdp.train_step`).
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.

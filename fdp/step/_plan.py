@@ -92,7 +92,7 @@ def _prepare(
         loss,
         param_structs,
         *_structs(args),
-        axis_env=[(config.axis_name, config.num_replicas)],
+        axis_env=[(n, int(config.bound_mesh.shape[n])) for n in config.axis_names],
     )
     # Points at the user's call of the step: prepare <- the step's __call__ <- user.
     warn_if_unused(usage, config.find_unused_parameters, stacklevel=4)

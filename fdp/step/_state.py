@@ -93,7 +93,7 @@ def join_side(core: Any, side: dict[str, Any]) -> Any:
 def _init_hook_state(config: StepConfig, buckets: BucketPlan, params: Any, stacked: bool) -> Any:
     def local(params: Any) -> Any:
         params = strip_device_axis(params) if stacked else params
-        return add_device_axis(config.comm_hook.init(params, buckets))
+        return add_device_axis(config.hook.init(params, buckets))
 
     spec = jax.P(config.axis_name)
     mapped = jax.shard_map(
@@ -101,7 +101,7 @@ def _init_hook_state(config: StepConfig, buckets: BucketPlan, params: Any, stack
         mesh=config.bound_mesh,
         in_specs=spec if stacked else jax.P(),
         out_specs=spec,
-        axis_names={config.axis_name},
+        axis_names=set(config.axis_names),
         check_vma=False,
     )
     return mapped(params)
@@ -128,7 +128,7 @@ def _stack_per_device(config: StepConfig, tree: Any) -> Any:
         mesh=config.bound_mesh,
         in_specs=jax.P(),
         out_specs=jax.P(config.axis_name),
-        axis_names={config.axis_name},
+        axis_names=set(config.axis_names),
         check_vma=False,
     )(tree)
 
@@ -156,7 +156,7 @@ def hook_is_stateful(config: StepConfig, buckets: BucketPlan) -> bool:
             for s, d in zip(buckets.leaf_shapes, buckets.leaf_dtypes, strict=True)
         ],
     )
-    return has_leaves(jax.eval_shape(lambda p: config.comm_hook.init(p, buckets), params))
+    return has_leaves(jax.eval_shape(lambda p: config.hook.init(p, buckets), params))
 
 
 def _stacked(config: StepConfig, state: Any) -> bool:

@@ -27,6 +27,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from fdp import _compat as compat
+from fdp.collectives._axis import AxisName
 
 UNUSED, CONDITIONAL, USED = 0, 1, 2
 
@@ -168,7 +169,7 @@ def warn_if_unused(usage: ParamUsage, detecting: bool, stacklevel: int) -> None:
         )
 
 
-def untouched_flags(usage: ParamUsage, used: jax.Array, axis_name: str) -> list[Any]:
+def untouched_flags(usage: ParamUsage, used: jax.Array, axis_name: AxisName) -> list[Any]:
     """Per parameter leaf, whether the step must leave it (and its optimizer state) as is.
 
     ``True`` for statically unused leaves; for conditional ones, a traced bool

@@ -37,6 +37,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan
+from fdp.collectives._axis import AxisName
+from fdp.data._placement import check_axis
 
 STAGES = (0, 1, 2, 3)
 
@@ -68,7 +70,7 @@ def shard_dim(shape: Sequence[int], n: int) -> int | None:
     return None
 
 
-def spec(shape: Sequence[int], n: int, axis_name: str) -> P:
+def spec(shape: Sequence[int], n: int, axis_name: AxisName) -> P:
     """The ``PartitionSpec`` of a leaf of ``shape`` sharded over ``axis_name``."""
     d = shard_dim(shape, n)
     if d is None:
@@ -76,14 +78,14 @@ def spec(shape: Sequence[int], n: int, axis_name: str) -> P:
     return P(*([None] * d), axis_name)
 
 
-def specs(tree: Any, n: int, axis_name: str) -> Any:
+def specs(tree: Any, n: int, axis_name: AxisName) -> Any:
     """``tree`` with each array leaf replaced by its ``PartitionSpec``."""
     return jax.tree.map(lambda x: spec(np.shape(x), n, axis_name), tree)
 
 
-def shardings(tree: Any, mesh: Mesh, axis_name: str) -> Any:
+def shardings(tree: Any, mesh: Mesh, axis_name: AxisName) -> Any:
     """``tree`` with each array leaf replaced by its ``NamedSharding`` on ``mesh``."""
-    n = int(mesh.shape[axis_name])
+    n = check_axis(mesh, axis_name)
     return jax.tree.map(lambda x: NamedSharding(mesh, spec(np.shape(x), n, axis_name)), tree)
 
 
@@ -93,7 +95,7 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda _: whole, tree)
 
 
-def constrain(tree: Any, mesh: Mesh, axis_name: str) -> Any:
+def constrain(tree: Any, mesh: Mesh, axis_name: AxisName) -> Any:
     """Inside ``jit``: ``tree`` constrained to its ZeRO shardings."""
     return jax.lax.with_sharding_constraint(tree, shardings(tree, mesh, axis_name))
 
@@ -109,7 +111,7 @@ def bucket_shard_dims(plan: BucketPlan, n: int) -> tuple[int | None, ...]:
     return tuple(shard_dim(s, n) for s in plan.leaf_shapes)
 
 
-def gather(leaves: Sequence[jax.Array], dims: Sequence[int | None], axis_name: str) -> list:
+def gather(leaves: Sequence[jax.Array], dims: Sequence[int | None], axis_name: AxisName) -> list:
     """Inside ``shard_map``: whole arrays from this device's shards (stage 3)."""
     return [
         x if d is None else jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
@@ -117,7 +119,7 @@ def gather(leaves: Sequence[jax.Array], dims: Sequence[int | None], axis_name: s
     ]
 
 
-def gather_params(params: Any, plan: BucketPlan, axis_name: str, n: int) -> Any:
+def gather_params(params: Any, plan: BucketPlan, axis_name: AxisName, n: int) -> Any:
     """Inside ``shard_map``: stage 3's sharded parameters made whole, bucket by bucket.
 
     Buckets are gathered from the last to the first (the forward pass's order:
@@ -137,9 +139,9 @@ def gather_params(params: Any, plan: BucketPlan, axis_name: str, n: int) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def is_placed(tree: Any, mesh: Mesh, axis_name: str) -> bool:
+def is_placed(tree: Any, mesh: Mesh, axis_name: AxisName) -> bool:
     """Whether ``tree``'s first shardable leaf already has its ZeRO sharding (cheap)."""
-    n = int(mesh.shape[axis_name])
+    n = check_axis(mesh, axis_name)
     for x in jax.tree.leaves(tree):
         d = shard_dim(np.shape(x), n)
         if d is not None:
@@ -152,7 +154,7 @@ def _place_jit(treedef: Any, targets: tuple[NamedSharding, ...]) -> Any:
     return jax.jit(lambda tree: tree, out_shardings=jax.tree.unflatten(treedef, targets))
 
 
-def place(tree: Any, mesh: Mesh, axis_name: str, *, sharded: bool = True) -> Any:
+def place(tree: Any, mesh: Mesh, axis_name: AxisName, *, sharded: bool = True) -> Any:
     """``tree`` moved onto its ZeRO shardings (or replicated), outside ``jit``.
 
     A jitted copy, so it works with arrays of several processes and never

@@ -82,6 +82,21 @@ def test_zero_stage_3_over_two_processes_trains_like_the_ddp_run(uninterrupted, 
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["6", "8"]
 
 
+def test_hierarchical_reduction_over_two_processes_trains_like_the_flat_run(
+    uninterrupted, tmp_path, marker
+):
+    """2 processes x 2 devices as a host x device mesh: reduce-scatter inside each process,
+    all-reduce of the halves across processes (gloo), all-gather inside: the flat result."""
+    out = launch(TWO_BY_TWO, "train.py", ["--out", tmp_path / "h.npz", "--hierarchical"], marker)
+    assert out.returncode == 0, out.output
+    hier = load(tmp_path / "h.npz")
+    assert int(hier["step"]) == 8 and hier.keys() == uninterrupted.keys()
+    for name in hier:
+        np.testing.assert_allclose(
+            uninterrupted[name], hier[name], rtol=1e-5, atol=1e-6, err_msg=name
+        )
+
+
 def test_a_killed_worker_resumes_from_the_last_checkpoint(uninterrupted, tmp_path, marker):
     """Rank 1 SIGKILLs itself after step 5 (last checkpoint: step 4) on the first attempt;
     fdp launch --max-restarts 1 restarts both, which resume at step 4 and finish."""

@@ -1,7 +1,7 @@
 """Trains a small MLP data-parallel, with per-process data and checkpoints (for tests).
 
     train.py --out params.npz [--devices 2] [--replicas R] [--ckpt-dir D]
-             [--die-at-step S] [--narrow-rank R] [--zero-stage Z]
+             [--die-at-step S] [--narrow-rank R] [--zero-stage Z] [--hierarchical]
 
 Under `fdp launch` each process feeds its own local batches, read with a
 DistributedSampler. Alone, `--replicas R` builds the same global batches from R
@@ -25,6 +25,7 @@ parser.add_argument("--ckpt-every", type=int, default=2)
 parser.add_argument("--die-at-step", type=int, default=0, help="rank 1 SIGKILLs itself here")
 parser.add_argument("--narrow-rank", type=int, default=-1, help="this rank builds a narrower MLP")
 parser.add_argument("--zero-stage", type=int, default=0)
+parser.add_argument("--hierarchical", action="store_true", help="host x device mesh, two levels")
 args = parser.parse_args()
 
 import jax  # noqa: E402
@@ -53,9 +54,20 @@ steps_per_epoch = samplers[0].num_batches(local_batch)
 
 model = MLP(features=(32, 8) if rank == args.narrow_rank else (32, 16))
 params = model.init(jax.random.key(rank), np.zeros((1, 8, 8, 1), np.float32))["params"]
-mesh = fdp.data_mesh()
-state = fdp.replicate(TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2)))
-step_fn = fdp.train_step(cross_entropy(model.apply), mesh=mesh, zero_stage=args.zero_stage)
+axes = fdp.HOST_AXES if args.hierarchical else fdp.DATA_AXIS
+mesh = fdp.data_mesh(axis_name=axes)
+if args.hierarchical:  # one row of the mesh per process: its devices
+    assert [{d.process_index for d in row} for row in mesh.devices] == [{p} for p in range(nproc)]
+state = fdp.replicate(
+    TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2)), mesh
+)
+step_fn = fdp.train_step(
+    cross_entropy(model.apply),
+    mesh=mesh,
+    axis_name=axes,
+    zero_stage=args.zero_stage,
+    hierarchical=args.hierarchical,
+)
 if args.zero_stage:
     state = step_fn.init(state)  # sharded before a restore, so orbax reads only each shard
 
@@ -73,7 +85,7 @@ for step in range(start, args.steps):
         s.set_epoch(epoch)
         rows.append(s.indices()[batch * local_batch : (batch + 1) * local_batch])
     local = {k: v[np.concatenate(rows)] for k, v in data.items()}
-    state, metrics = step_fn(state, fdp.shard_batch(local, mesh))
+    state, metrics = step_fn(state, fdp.shard_batch(local, mesh, axis_name=axes))
     if ckpt is not None and (step + 1) % args.ckpt_every == 0:
         epoch, batch = divmod(step + 1, steps_per_epoch)
         ckpt.save(step + 1, state, data_position={"epoch": epoch, "batch": batch})
