@@ -16,6 +16,8 @@ from fdp.hooks._compressed import compressed_allreduce as compressed_allreduce
 from fdp.hooks._contract import CommHook as CommHook
 from fdp.hooks._contract import GradBucket as GradBucket
 from fdp.hooks._contract import with_reduce_scatter as with_reduce_scatter
+from fdp.hooks._diloco import DiLoCo as DiLoCo
+from fdp.hooks._diloco import diloco as diloco
 from fdp.hooks._hierarchical import HierarchicalModelAverager as HierarchicalModelAverager
 from fdp.hooks._local_sgd import ModelAverager as ModelAverager
 from fdp.hooks._local_sgd import PeriodicModelAverager as PeriodicModelAverager
@@ -34,6 +36,7 @@ from fdp.hooks._two_level import hierarchical as hierarchical
 __all__ = [
     "HOOKS",
     "CommHook",
+    "DiLoCo",
     "GradBucket",
     "HierarchicalModelAverager",
     "ModelAverager",
@@ -45,6 +48,7 @@ __all__ = [
     "bf16_compress",
     "bf16_compress_wrapper",
     "compressed_allreduce",
+    "diloco",
     "fp16_compress",
     "fp16_compress_wrapper",
     "hierarchical",

@@ -17,6 +17,7 @@ from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.hooks import CommHook, ModelAverager, resolve
 from fdp.hooks._contract import Layout, reduce_scatter_of
+from fdp.hooks._diloco import DiLoCo
 from fdp.hooks._reduce_dtype import reduce_in
 from fdp.hooks._two_level import hierarchical, split_axis
 from fdp.step._zero import check_stage
@@ -138,9 +139,18 @@ class StepConfig:
         averager = self.model_averager
         if averager is not None and not isinstance(averager, ModelAverager):
             raise TypeError(
-                "model_averager must be a fdp.hooks.PeriodicModelAverager or "
-                f"fdp.hooks.HierarchicalModelAverager, got {type(averager).__name__}."
+                "model_averager must be a fdp.hooks.PeriodicModelAverager, "
+                "fdp.hooks.HierarchicalModelAverager or fdp.hooks.diloco(...), got "
+                f"{type(averager).__name__}."
             )
+        if isinstance(averager, DiLoCo) and self.comm_hook != averager.hook:
+            if self.comm_hook.name != "allreduce":
+                raise ValueError(
+                    f"model_averager={averager.hook.name} brings its own comm hook (inner "
+                    f"steps communicate nothing); got comm_hook={self.comm_hook.name!r}. "
+                    "Leave comm_hook unset."
+                )
+            object.__setattr__(self, "comm_hook", averager.hook)
         steps = self.accumulate_steps
         if isinstance(steps, bool) or not isinstance(steps, int):
             raise TypeError(f"accumulate_steps must be an int >= 1, got {steps!r}.")

@@ -13,6 +13,7 @@ from fdp.bucketing import plan_for
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
 from fdp.hooks import CommHook, ModelAverager
+from fdp.hooks._diloco import DiLoCo
 from fdp.observe._stats import StatsSchedule
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
@@ -143,15 +144,22 @@ class DataParallelStep(StepRunner):
         new_state = state.apply_gradients(grads=out.grads)
         if out.keep is not None:
             new_state = keep_untouched(new_state, state, jax.tree.structure(state.params), out.keep)
-        if cfg.model_averager is not None:
-            averaged = cfg.model_averager.average(new_state.params, state.step, cfg.axis_name)
+        hook_out = out.hook_state
+        averager = cfg.model_averager
+        if isinstance(averager, DiLoCo):
+            averaged, hook_out = averager.sync(
+                new_state.params, state.step, cfg.axis_name, hook_out, plan.buckets
+            )
+            new_state = new_state.replace(params=averaged)
+        elif averager is not None:
+            averaged = averager.average(new_state.params, state.step, cfg.axis_name)
             new_state = new_state.replace(params=averaged)
         new_stats = out.buffers
         if cfg.per_device_state:
             new_state, new_stats = add_device_axis((new_state, new_stats))
         elif wrapped:
             new_stats = PerDevice(add_device_axis(new_stats))
-        new_comm = None if comm is None else add_device_axis(out.hook_state)
+        new_comm = None if comm is None else add_device_axis(hook_out)
         return new_state, new_stats, new_comm, out.metrics
 
     def _objective(self, has_stats: bool) -> Any:
