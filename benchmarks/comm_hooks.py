@@ -13,6 +13,13 @@ its start: subgroup all-reduces only (the periodic parameter averaging adds one
 all-reduce of the parameters every ``period`` steps).
 
     python benchmarks/comm_hooks.py --json benchmarks/results/comm_hooks.json
+
+With ``--reductions``, the reductions beyond DDP instead (benchmarks/_reductions.py):
+flat, hierarchical, compressed and DiLoCo on 2 simulated hosts x 4 devices, with
+bytes by link, step time against flat and held-out accuracy on the digits:
+
+    python benchmarks/comm_hooks.py --reductions --json benchmarks/results/reductions.json \
+        --plot docs/img/reductions.png
 """
 
 from __future__ import annotations
@@ -133,9 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--reductions", action="store_true", help="hierarchical/compressed/DiLoCo")
+    parser.add_argument("--train-steps", type=int, default=240, help="with --reductions")
+    parser.add_argument("--plot", help="with --reductions: accuracy against bytes, PNG")
     args = parser.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", args.devices)
 
+    if args.reductions:
+        import _reductions
+
+        rows = [
+            row
+            for m in _reductions.MODELS
+            for row in _reductions.measure(m, args.train_steps, 128, args.rounds)
+        ]
+        print(
+            f"\n{jax.device_count()} x {jax.devices()[0].platform} devices as 2 hosts x 4, "
+            f"jax {jax.__version__}, {os.cpu_count()} cores; bytes per device per step from "
+            "the lowered program"
+        )
+        _reductions.print_table(rows)
+        if args.plot:
+            _reductions.plot(rows, args.plot)
+        return _write(args, rows)
     rows = [row for m in args.models.split(",") for row in measure(m, args)]
     print(
         f"\n{jax.device_count()} x {jax.devices()[0].platform} devices, jax {jax.__version__}, "
@@ -143,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         "lowered program"
     )
     print_table(rows)
+    return _write(args, rows)
+
+
+def _write(args: argparse.Namespace, rows: list[dict]) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         meta = {
