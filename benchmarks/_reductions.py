@@ -73,9 +73,10 @@ def reductions() -> dict[str, dict[str, Any]]:
         "torch bf16_compress": {"comm_hook": h.bf16_compress()},
         "DiLoCo H=8": {"model_averager": h.diloco(8)},
         "DiLoCo H=32": {"model_averager": h.diloco(32)},
-        "streaming DiLoCo H=32 P=4": {
-            "model_averager": h.diloco(32, fragments=4),
-            "bucket_cap_mb": 0.05,
+        "streaming DiLoCo H=32 P=2": {
+            "model_averager": h.diloco(32, fragments=2),
+            "bucket_cap_mb": 0.02,
+            "first_bucket_cap_mb": 0.02,
         },
     }
 

@@ -86,9 +86,7 @@ def test_diloco_matches_the_per_worker_reference_and_syncs_every_h_steps():
 def test_streaming_syncs_one_fragment_at_a_time():
     data = batches(4)
     averager = fdp.hooks.diloco(4, fragments=2)
-    step = fdp.train_step(
-        cross_entropy(MLP().apply), model_averager=averager, bucket_cap_mb=1e-3
-    )
+    step = fdp.train_step(cross_entropy(MLP().apply), model_averager=averager, bucket_cap_mb=1e-3)
     state = run(step, fdp.replicate(start_state(optax.sgd(0.1))), data[:2])
     plan = step.plan
     frag = fdp.hooks._diloco.fragment_of_leaves(plan, 2)
@@ -114,7 +112,9 @@ def test_checkpoints_carry_the_anchor_and_outer_state(tmp_path):
     ckpt.close()
     template = step.init(fdp.replicate(start_state(optax.sgd(0.1))))
     restored = fdp.CheckpointManager(tmp_path).restore(template).state
-    chex.assert_trees_all_equal(jax.device_get(restored.comm_state), jax.device_get(state.comm_state))
+    chex.assert_trees_all_equal(
+        jax.device_get(restored.comm_state), jax.device_get(state.comm_state)
+    )
     resumed = run(step, restored, data[3:])
     chex.assert_trees_all_equal(jax.device_get(resumed.params), jax.device_get(whole.params))
 

@@ -94,25 +94,27 @@ def test_hierarchical_equals_the_flat_reduction_over_one_axis():
 
 
 def _groups(op):
-    found = re.findall(r"\[([\d,]+)\]", op.replica_groups.replace(" ", ""))
+    found = re.findall(r"[\[{]([\d,]+)[\]}]", op.replica_groups.replace(" ", ""))
     return [[int(i) for i in g.split(",")] for g in found]
 
 
-def test_the_program_reduces_inside_hosts_then_a_quarter_across_them():
+@pytest.mark.parametrize("program", ["lowered", "compiled"])
+def test_the_program_reduces_inside_hosts_then_a_quarter_across_them(program):
     mesh = host_mesh()
     state = fdp.replicate(make_state("mlp", "sgd"), mesh)
     batch = fdp.shard_batch(batches(1)[0], mesh, axis_name=AXES)
     step = fdp.train_step(
         cross_entropy(MLP().apply), mesh=mesh, axis_name=AXES, hierarchical=True, bucket_cap_mb=1e9
     )
-    ops = collective_stats(step.lower(state, batch)).ops
-    plan = step.plan
-    (bucket,) = [b for b in plan.buckets]  # one bucket: every gradient
+    lowered = step.lower(state, batch)
+    ops = collective_stats(lowered if program == "lowered" else lowered.compile()).ops
+    (bucket,) = step.plan.buckets  # one bucket: every gradient
     share = -(-bucket.size // 4)
     scatter = [op for op in ops if op.kind == "reduce-scatter"]
     across = [op for op in ops if op.kind == "all-reduce" and op.shapes == ((share,),)]
     gather = [op for op in ops if op.kind == "all-gather"]
     assert len(scatter) == len(across) == len(gather) == 1
+    assert len(ops) == 4  # and the loss's all-reduce
     assert _groups(scatter[0]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert _groups(gather[0]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert _groups(across[0]) == [[0, 4], [1, 5], [2, 6], [3, 7]]

@@ -26,6 +26,7 @@ parser.add_argument("--die-at-step", type=int, default=0, help="rank 1 SIGKILLs 
 parser.add_argument("--narrow-rank", type=int, default=-1, help="this rank builds a narrower MLP")
 parser.add_argument("--zero-stage", type=int, default=0)
 parser.add_argument("--hierarchical", action="store_true", help="host x device mesh, two levels")
+parser.add_argument("--comm-hook", default=None)
 args = parser.parse_args()
 
 import jax  # noqa: E402
@@ -67,6 +68,7 @@ step_fn = fdp.train_step(
     axis_name=axes,
     zero_stage=args.zero_stage,
     hierarchical=args.hierarchical,
+    comm_hook=args.comm_hook,
 )
 if args.zero_stage:
     state = step_fn.init(state)  # sharded before a restore, so orbax reads only each shard
