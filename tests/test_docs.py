@@ -230,6 +230,29 @@ def test_readme_quick_start_is_what_ci_runs():
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
 
 
+def test_api_reference_lists_every_public_name_once():
+    """docs/api.md renders each name of each public __all__ (mkdocs build --strict in CI)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import fdp
+
+    listed = re.findall(r"^::: ([\w.]+)$", (ROOT / "docs" / "api.md").read_text(), re.M)
+    subpackages = [f"fdp.{m.name}" for m in pkgutil.iter_modules(fdp.__path__)]
+    public = []
+    for module in ["fdp", *subpackages]:
+        mod = importlib.import_module(module)
+        public += [
+            f"{module}.{name}"
+            for name in getattr(mod, "__all__", ())  # a public module says what it exports
+            if name != "__version__" and not inspect.ismodule(getattr(mod, name))
+        ]
+    assert sorted(listed) == sorted(set(listed)), "a name is listed twice"
+    assert sorted(set(public) - set(listed)) == [], "public names missing from docs/api.md"
+    assert sorted(set(listed) - set(public)) == [], "docs/api.md lists names that are not public"
+
+
 # The checks themselves, on made-up pages.
 
 
