@@ -235,11 +235,7 @@ class Output:
                             self._file.write(data)
                             self._file.flush()
                 records = splitter.feed(data) if data else splitter.flush()
-                for text, is_line in records:
-                    if is_line and self._quiet:
-                        before, noise = split_noise(text)
-                        if noise:  # left out; what came before it is still open
-                            text, is_line = before, False
+                for text, is_line in self._unmix(records):
                     if not is_line:
                         if self._console and self._progress and text:
                             CONSOLE.progress(sink, self.rank, prefix + text)
@@ -249,6 +245,22 @@ class Output:
                         CONSOLE.line(sink, self.rank, prefix + text)
                 if not data:
                     return
+
+    def _unmix(self, records: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+        """Transport chatter on a line of its own, or left out when quiet.
+
+        What came before the chatter on its line is still unfinished: progress.
+        """
+        out = []
+        for text, is_line in records:
+            before, noise = split_noise(text) if is_line else (text, "")
+            if not noise:
+                out.append((text, is_line))
+                continue
+            out.append((before, False))
+            if not self._quiet:
+                out.append((noise, True))
+        return out
 
     def close(self, timeout: float = 5.0) -> None:
         """Waits for the copies to drain (the worker has ended) and closes the log file."""

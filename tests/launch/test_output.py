@@ -41,9 +41,12 @@ def test_lines_are_whole_prefixed_transport_logs_left_out_and_a_table_at_the_end
     assert [(r[0], r[3:6]) for r in rows[1:]] == [(str(k), ["ok", "exit", "code"]) for k in (0, 1)]
 
 
-def test_fdp_debug_shows_transport_logs(marker):
+def test_fdp_debug_shows_transport_logs_on_lines_of_their_own(marker):
     out = chatty(marker, FDP_DEBUG="INFO")
     assert "[rank 1] [Gloo] Rank 1 is connected to 1 peer ranks." in out.stdout
+    # Written while rank 1's bar was open, gloo's line still gets a line of its own.
+    assert "[rank 1] [Gloo] Rank 5 is connected to 7 peer ranks." in out.stdout
+    assert "[rank 1] bar 3/3 of rank 1\n" in out.stdout
 
 
 def test_log_files_count_attempts_from_1_and_tee_shows_the_console_too(tmp_path, marker):
