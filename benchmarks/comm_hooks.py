@@ -35,6 +35,7 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _progress import progress
 
 
 def hooks_to_measure(n_devices: int) -> dict:
@@ -66,7 +67,7 @@ def measure(name: str, args: argparse.Namespace) -> list[dict]:
     params = bench.init_params(0)
     batch = fdp.shard_batch(bench.make_batch(args.batch_per_device * n, 1), mesh)
     rows = []
-    for hook_name, hook in hooks_to_measure(n).items():
+    for hook_name, hook in progress(hooks_to_measure(n).items(), f"{name}: hooks"):
         state = fdp.replicate(
             fdp.TrainState.create(apply_fn=None, params=params, tx=bench.tx()), mesh
         )

@@ -31,7 +31,7 @@ OVERLAP = ("matmuls", "all-reduce", "together")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-
+from _progress import progress  # noqa: E402
 from multiprocess import clean_env, free_port  # noqa: E402
 
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     runs: dict[str, dict[float, list[float]]] = {"jax": {}, "torch": {}}
-    for r in range(args.repeats):
+    for r in progress(range(args.repeats), "repeats"):
         for fw in ("jax", "torch") if r % 2 == 0 else ("torch", "jax"):
             for mb, ts in run(fw, args).items():
                 runs[fw].setdefault(mb, []).append(statistics.median(ts))

@@ -23,6 +23,7 @@ import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _progress import progress  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import fdp  # noqa: E402
@@ -83,7 +84,7 @@ def main():
     nnx_step = fdp.nnx_train_step(lambda m, b: xent(m(b["x"]), b["y"]))
 
     rounds = {"linen": [], "nnx": []}
-    for _ in range(args.rounds):
+    for _ in progress(range(args.rounds), "rounds"):
         rounds["linen"].append(time_calls(linen_call, args.steps))
         rounds["nnx"].append(time_calls(lambda: nnx_step(net, opt, batch), args.steps))
     result = {k: {"median_ms": statistics.median(v), "rounds_ms": v} for k, v in rounds.items()}

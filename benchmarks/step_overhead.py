@@ -39,6 +39,7 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _progress import progress
 
 
 def setup_devices(n: int) -> None:
@@ -176,7 +177,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
         "global_batch": global_batch,
         "variants": {},
     }
-    for vname, (step, batch, _) in variants.items():
+    for vname, (step, batch, _) in progress(variants.items(), f"{name}: compile"):
         result["variants"][vname] = analyse(step, states[vname], batch)
         for _ in range(args.warmup):
             states[vname], _ = step(states[vname], batch)
@@ -184,7 +185,7 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
 
     times: dict[str, list[float]] = {v: [] for v in variants}
     names = list(variants)
-    for r in range(args.rounds):
+    for r in progress(range(args.rounds), f"{name}: rounds"):
         order = names[r % len(names) :] + names[: r % len(names)]
         for vname in order:
             step, batch, _ = variants[vname]

@@ -34,6 +34,7 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _progress import progress
 
 STAGES = (0, 1, 2, 3)
 
@@ -162,13 +163,13 @@ def time_stages(bench, batch_rows: int, rounds: int, steps: int) -> dict[int, di
     tx = bench.tx()
     batch = fdp.shard_batch(bench.make_batch(batch_rows, 0))
     steps_fn, states = {}, {}
-    for stage in STAGES:
+    for stage in progress(STAGES, "compile stages"):
         steps_fn[stage] = fdp.train_step(bench.loss_fn, zero_stage=stage)
         state = fdp.TrainState.create(apply_fn=None, params=bench.init_params(0), tx=tx)
         states[stage], _ = steps_fn[stage](steps_fn[stage].init(state), batch)  # compile
     jax.block_until_ready(states)
     times: dict[int, list[float]] = {s: [] for s in STAGES}
-    for r in range(rounds):
+    for r in progress(range(rounds), "rounds"):
         order = STAGES[r % 4 :] + STAGES[: r % 4]
         for stage in order:
             start = time.perf_counter()

@@ -28,63 +28,107 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _describe(args: argparse.Namespace) -> int:
+    import jax
+
     from fdp.observe._demo_models import parameter_shapes
     from fdp.observe._describe import bucket_report
 
     try:
+        shapes = parameter_shapes(args.model, args.dtype)
         report = bucket_report(
-            parameter_shapes(args.model, args.dtype),
-            bucket_cap_mb=args.bucket_cap_mb,
-            first_bucket_cap_mb=args.first_bucket_cap_mb,
+            shapes, bucket_cap_mb=args.bucket_cap_mb, first_bucket_cap_mb=args.first_bucket_cap_mb
         )
-    except ValueError as e:  # a cap that is not a positive number of MiB
+    except ValueError as e:  # an unknown model, or a cap that is not a positive number of MiB
         print(f"fdp describe: error: {e}", file=sys.stderr)
         return 2
+    dtypes = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(shapes)})
+    dtype = args.dtype or ", ".join(dtypes)
     if args.json:
-        print(json.dumps({"model": args.model, "dtype": args.dtype, **report.as_dict()}, indent=2))
+        print(json.dumps({"model": args.model, "dtype": dtype, **report.as_dict()}, indent=2))
     else:
-        print(f"model {args.model!r} ({args.dtype}), buckets in reduce order")
+        print(f"model {args.model!r} ({dtype}), buckets in reduce order")
         print(report)
     return 0
 
 
+DESCRIBE = """\
+Print DDP's gradient buckets for a model's parameters: a small built-in Flax model, or
+your own through MODULE:FUNCTION, a function of no arguments returning the parameters
+(run under jax.eval_shape, so only shapes are built; the module is imported as
+python -m would, from the current directory or PYTHONPATH). Example:
+  fdp describe --model mypkg.models:init_params --bucket-cap-mb 5"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fdp`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="fdp", description="PyTorch DDP's behaviour for JAX.")
+    parser = launch_cli.Parser(prog="fdp", description="PyTorch DDP's behaviour for JAX.")
     parser.add_argument("--version", action="version", version=f"fdp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("version", help="print fdp's version").set_defaults(run=_version)
+    version = sub.add_parser("version", help="print fdp's version")
+    version.set_defaults(run=_version, parser=version)
     launch = sub.add_parser(
         "launch",
         help="start the worker processes of a training script (torchrun)",
+        usage=launch_cli.USAGE,
         description=launch_cli.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     launch_cli.add_arguments(launch)
-    launch.set_defaults(run=lambda args: launch_cli.run(args, launch))
+    launch.set_defaults(run=lambda args: launch_cli.run(args, launch), parser=launch)
     info = sub.add_parser(
         "info",
         help="print versions, devices, environment and collectives (for bug reports)",
     )
     info.add_argument("--json", action="store_true", help="print JSON")
-    info.set_defaults(run=_info)
+    info.set_defaults(run=_info, parser=info)
     describe = sub.add_parser(
         "describe",
-        help="print the gradient buckets of a demo model",
-        description="Print DDP's gradient buckets for a small built-in Flax model.",
+        help="print the gradient buckets of a model (built-in or module:function)",
+        description=DESCRIBE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    describe.add_argument("--model", choices=("mlp", "cnn", "transformer"), default="mlp")
-    describe.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB")
-    describe.add_argument("--first-bucket-cap-mb", type=float, default=1.0, metavar="MB")
-    describe.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    describe.add_argument("--json", action="store_true", help="print JSON")
-    describe.set_defaults(run=_describe)
+    describe.add_argument(
+        "--model",
+        default="mlp",
+        metavar="MODEL",
+        help="mlp (the digits demo's MLP), cnn (a small convolutional net), transformer "
+        "(a two-block encoder), or MODULE:FUNCTION returning your parameters "
+        "(default: %(default)s)",
+    )
+    describe.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        metavar="MB",
+        help="cap of each bucket after a dtype's first, as DDP's bucket_cap_mb "
+        "(default: %(default)s)",
+    )
+    describe.add_argument(
+        "--first-bucket-cap-mb",
+        type=float,
+        default=1.0,
+        metavar="MB",
+        help="cap of each dtype's first bucket, the first to be reduced (default: %(default)s)",
+    )
+    describe.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="cast the floating-point parameters to this dtype (default: the model's own; "
+        "float32 for the built-in models)",
+    )
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    describe.set_defaults(run=_describe, parser=describe)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fdp`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    # An unknown option is reported with its subcommand's usage, not the top level's.
+    hint = launch_cli.HINT if args.command == "launch" else None
+    launch_cli.reject_unknown(getattr(args, "parser", parser), extras, hint)
     if not hasattr(args, "run"):
         parser.print_help()
         return 2

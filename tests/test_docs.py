@@ -8,6 +8,10 @@ The rules, for README.md and docs/*.md:
 - A ```python block may be followed, after blank lines only, by an ```output block: what
   the block prints to stdout, compared as doctest does, with ELLIPSIS and
   NORMALIZE_WHITESPACE (``...`` stands for timings and other volatile parts).
+- A ```bash block followed by an ```output block is a command example: each of its lines
+  runs as a shell command (``fdp`` is this checkout's ``python -m fdp``), in order, and
+  what they print to stdout is compared the same way. A bash block without an output
+  block (a launch on a cluster, an install) is shown, not run.
 - A block that calls ``print(`` has an output block; a block without one prints
   nothing; an output block follows a python block.
 - Examples run with JAX's default (standard) dtype promotion, as a user runs them;
@@ -22,8 +26,12 @@ import contextlib
 import dataclasses
 import doctest
 import io
+import os
 import pathlib
 import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -61,7 +69,7 @@ class Example:
 
     @property
     def where(self):
-        return f"{self.page.name}, python block at line {self.code.line}"
+        return f"{self.page.name}, {self.code.lang} block at line {self.code.line}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +113,19 @@ def read_page(path):
             examples.append(Example(path, block, None))
         elif block.lang == "output":
             between = lines[previous.end : block.line - 1] if previous else []
-            if previous is None or previous.lang != "python" or any(s.strip() for s in between):
+            runs = previous is not None and previous.lang in ("python", "bash")
+            if not runs or any(s.strip() for s in between):
                 problems.append(
-                    f"line {block.line}: an output block must follow a python block "
+                    f"line {block.line}: an output block must follow a python or bash block "
                     "(blank lines only between them)"
                 )
+            elif previous.lang == "bash":
+                examples.append(Example(path, previous, block))
             else:
                 examples[-1] = dataclasses.replace(examples[-1], output=block)
         previous = block
     for ex in examples:
-        if ex.output is None and re.search(r"\bprint\(", ex.code.code):
+        if ex.code.lang == "python" and ex.output is None and re.search(r"\bprint\(", ex.code.code):
             problems.append(
                 f"line {ex.code.line}: the python block calls print( but no output block "
                 "follows it with what it prints"
@@ -144,9 +155,34 @@ def _prose(lines, blocks):
     return "\n".join(line for n, line in enumerate(lines, 1) if n not in inside)
 
 
+def run_commands(example):
+    """The stdout of a bash block's commands, each run in a shell, in order."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("FDP_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = []
+    for line in example.code.code.splitlines():
+        command = line.split(" #", 1)[0].strip()
+        if not command:
+            continue
+        command = re.sub(r"^fdp\b", f"{shlex.quote(sys.executable)} -m fdp", command)
+        done = subprocess.run(
+            command, shell=True, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode:
+            pytest.fail(
+                f"{example.where}: `{line}` exited with {done.returncode}:\n{done.stderr}",
+                pytrace=False,
+            )
+        out.append(done.stdout)
+    return "".join(out)
+
+
 def run_example(example, namespace):
     """Run one example in `namespace`; fail if what it prints is not its output block."""
     code = example.code
+    if code.lang == "bash":
+        _check(example, run_commands(example))
+        return
     # Pad with newlines, so that tracebacks give the Markdown file's line numbers.
     program = compile("\n" * code.line + code.code, str(example.page), "exec")
     stdout = io.StringIO()
@@ -161,6 +197,10 @@ def run_example(example, namespace):
         if got:
             pytest.fail(f"{example.where} printed, but has no output block:\n{got}", pytrace=False)
         return
+    _check(example, got)
+
+
+def _check(example, got):
     want = example.output.code
     if not doctest.OutputChecker().check_output(want, got, CHECK_FLAGS):
         pytest.fail(
@@ -230,6 +270,29 @@ def test_readme_quick_start_is_what_ci_runs():
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
 
 
+def test_api_reference_lists_every_public_name_once():
+    """docs/api.md renders each name of each public __all__ (mkdocs build --strict in CI)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import fdp
+
+    listed = re.findall(r"^::: ([\w.]+)$", (ROOT / "docs" / "api.md").read_text(), re.M)
+    subpackages = [f"fdp.{m.name}" for m in pkgutil.iter_modules(fdp.__path__)]
+    public = []
+    for module in ["fdp", *subpackages]:
+        mod = importlib.import_module(module)
+        public += [
+            f"{module}.{name}"
+            for name in getattr(mod, "__all__", ())  # a public module says what it exports
+            if name != "__version__" and not inspect.ismodule(getattr(mod, name))
+        ]
+    assert sorted(listed) == sorted(set(listed)), "a name is listed twice"
+    assert sorted(set(public) - set(listed)) == [], "public names missing from docs/api.md"
+    assert sorted(set(listed) - set(public)) == [], "docs/api.md lists names that are not public"
+
+
 # The checks themselves, on made-up pages.
 
 
@@ -258,7 +321,7 @@ def test_ellipsis_and_whitespace_are_loose(tmp_path):
 def test_print_without_output_block_and_stray_output_block(tmp_path):
     page = _page(tmp_path, PRINTS_3 + "\nsome prose\n\n```output\n3\n```\n")
     assert len(page.problems) == 2
-    assert "line 8: an output block must follow a python block" in page.problems[0]
+    assert "line 8: an output block must follow a python or bash block" in page.problems[0]
     assert "line 1: the python block calls print( but no output block" in page.problems[1]
 
 
@@ -279,3 +342,13 @@ def test_one_program_marker(tmp_path):
 def test_devices_set_in_a_text_block(tmp_path):
     page = _page(tmp_path, f"```text\nimport jax\n{DEVICE_LINE}\n```\n")
     assert "set them in a python block" in page.problems[0]
+
+
+def test_a_bash_block_with_an_output_block_is_run_and_checked(tmp_path):
+    text = "```bash\necho 3  # a comment\nfdp version\n```\n\n```output\n4\nfdp ...\n```\n"
+    page = _page(tmp_path, text + "\n```bash\nfdp launch --nnodes 64 train.py\n```\n")
+    assert not page.problems and len(page.examples) == 1  # the second block is not run
+    with pytest.raises(
+        pytest.fail.Exception, match=r"(?s)expected:\n    4\n    fdp ...\ngot:\n    3"
+    ):
+        run_example(page.examples[0], {})

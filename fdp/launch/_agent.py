@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import IO
 
-from fdp.launch import _env, _summary
+from fdp.launch import _env, _output, _summary
 from fdp.launch._bootstrap import STACK_SIGNAL
 from fdp.launch._config import LaunchConfig
 from fdp.launch._output import Output
@@ -52,8 +52,13 @@ class WorkerGroup:
         self.hang: Hang | None = None
         self._round = 0
 
+    @property
+    def dir_name(self) -> str:
+        """``attempt_K``, counting from 1 as the banner does (``FDP_RESTART_COUNT`` is K - 1)."""
+        return f"attempt_{self.attempt + 1}"
+
     def _file(self, rank: int, kind: str) -> str:
-        return os.path.join(self.run_dir, f"attempt_{self.attempt}", f"rank_{rank}.{kind}")
+        return os.path.join(self.run_dir, self.dir_name, f"rank_{rank}.{kind}")
 
     def error_file(self, rank: int) -> str:
         """Where worker ``rank`` of this attempt writes its traceback."""
@@ -91,7 +96,15 @@ class WorkerGroup:
             _log(stderr, f"{cfg.nproc_per_node} workers share {len(gpus)} GPU(s): {gpus}.")
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         command = _env.worker_command(cfg, sys.executable)
-        os.makedirs(os.path.join(self.run_dir, f"attempt_{self.attempt}"), exist_ok=True)
+        os.makedirs(os.path.join(self.run_dir, self.dir_name), exist_ok=True)
+        quiet = _output.quiet_transport(os.environ)
+        shown = [
+            r
+            for r in range(
+                cfg.node_rank * cfg.nproc_per_node, (cfg.node_rank + 1) * cfg.nproc_per_node
+            )
+            if cfg.console_ranks is None or r in cfg.console_ranks
+        ]
         for local_rank in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + local_rank
             env = _env.worker_env(
@@ -108,8 +121,16 @@ class WorkerGroup:
             )
             log = None
             if self.log_dir is not None:
-                log = os.path.join(self.log_dir, f"attempt_{self.attempt}", f"rank_{rank}.log")
-            output = Output(rank, log, stdout, stderr)
+                log = os.path.join(self.log_dir, self.dir_name, f"rank_{rank}.log")
+            output = Output(
+                rank,
+                log,
+                stdout,
+                stderr,
+                console=(cfg.log_dir is None or cfg.tee) and rank in shown,
+                progress=rank == shown[0] if shown else False,
+                quiet=quiet,
+            )
             # A new session per worker: signals reach the worker and whatever it
             # started (data loader processes...), and a Ctrl-C in the terminal
             # reaches only the agent, which decides what the workers get.
@@ -195,8 +216,7 @@ def _signals_recorded() -> Iterator[list[int]]:
 
 
 def _log(stream: IO[str], message: str) -> None:
-    stream.write(f"fdp launch: {message}\n")
-    stream.flush()
+    _output.CONSOLE.line(stream, None, f"fdp launch: {message}")
 
 
 def _read_text(path: str) -> str | None:
@@ -304,7 +324,11 @@ def launch(
                     stderr,
                     f"starting ranks {first}..{last} of {cfg.world_size} (attempt {attempt + 1} of "
                     f"{attempts}, coordinator {cfg.master_addr}:{port}, run id {cfg.run_id})"
-                    + (f", logs in {cfg.log_dir}/attempt_{attempt}" if cfg.log_dir else ""),
+                    + (
+                        f", logs in {os.path.join(cfg.log_dir, group.dir_name)}"
+                        if cfg.log_dir
+                        else ""
+                    ),
                 )
                 try:
                     group.start(stdout, stderr)
@@ -316,6 +340,10 @@ def launch(
                     else:
                         group.stop()
                 if outcome == "succeeded":
+                    _log(
+                        stderr,
+                        _summary.format_success(group.exits(), attempt, attempts, cfg.run_id),
+                    )
                     return 0
                 if outcome == "signal":
                     sig = received[0]
@@ -332,8 +360,7 @@ def launch(
                 summary = _summary.format_failure(
                     exits, attempt=attempt, attempts=attempts, run_id=cfg.run_id
                 )
-                stderr.write(summary + "\n")
-                stderr.flush()
+                _output.CONSOLE.line(stderr, None, summary)
                 return 1
     finally:
         if cfg.log_dir is None:

@@ -22,8 +22,10 @@ class LaunchConfig:
       master_addr: the coordinator's host (the host of node 0).
       master_port: the coordinator's port; ``None``: a free port (one host only).
       max_restarts: times the whole group is restarted after a failure.
-      log_dir: write each worker's output to a file there instead of
-        prefixing it on the console.
+      log_dir: write each worker's output to ``log_dir/attempt_K/rank_N.log``
+        (``K`` counts attempts from 1) instead of to the console.
+      tee: with ``log_dir``, show the output on the console as well.
+      console_ranks: the ranks whose output the console shows (None: all).
       run_id: names the run (``FDP_RUN_ID``); a worker joins only a coordinator
         of its own run. Random on one host; with several hosts, the same on every
         host (by default derived from the coordinator's address and the sizes).
@@ -48,6 +50,8 @@ class LaunchConfig:
     master_port: int | None = None
     max_restarts: int = 0
     log_dir: str | None = None
+    tee: bool = False
+    console_ranks: tuple[int, ...] | None = None
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
     monitor_interval: float = 0.1
     grace_period: float = 5.0
@@ -78,6 +82,16 @@ class LaunchConfig:
             f"--nnodes {self.nnodes} needs --master-port (and --master-addr, the host of node 0) "
             "so that every node finds the same coordinator.",
         )
+        need(
+            not self.tee or self.log_dir is not None,
+            "--tee shows the output on the console as well as in the log files: it needs "
+            "--log-dir DIR.",
+        )
+        need(
+            self.console_ranks is None or self.console_ranks[-1] < self.world_size,
+            f"--console-ranks must name ranks below the world size {self.world_size}, "
+            f"got {self.console_ranks}.",
+        )
         need(self.monitor_interval > 0, "--monitor-interval must be > 0.")
         need(self.grace_period >= 0, "--grace-period must be >= 0.")
         need(
@@ -91,40 +105,105 @@ class LaunchConfig:
         return self.nnodes * self.nproc_per_node
 
 
+def parse_ranks(text: str) -> tuple[int, ...] | None:
+    """``--console-ranks``'s value: ``'all'`` is None, else the ranks, sorted.
+
+    Example:
+      >>> parse_ranks("all"), parse_ranks("2,0")
+      (None, (0, 2))
+
+    Raises:
+      ValueError: ``text`` is neither ``all`` nor comma-separated ranks >= 0.
+    """
+    if text.strip().lower() == "all":
+        return None
+    try:
+        ranks = sorted({int(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        ranks = []
+    if not ranks or ranks[0] < 0:
+        raise ValueError(
+            f"--console-ranks must be 'all' or ranks >= 0 separated by commas (e.g. 0 or 0,3), "
+            f"got {text!r}."
+        )
+    return tuple(ranks)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds ``fdp launch``'s options and the script with its arguments to ``parser``."""
+    """Adds ``fdp launch``'s options and the script with its arguments to ``parser``.
+
+    Each option has one name with dashes and, as torchrun, one with underscores;
+    the help text shows the first.
+    """
     parser.add_argument(
-        "--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this host"
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="workers on this host (default: %(default)s)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="hosts in the run")
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this host's index")
+    parser.add_argument(
+        "--nnodes", type=int, default=1, metavar="M", help="hosts in the run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this host's index, 0..M-1 (default: %(default)s)",
+    )
     parser.add_argument(
         "--master-addr",
         "--master_addr",
         default=None,
-        help="host of node 0, where the coordinator runs (default 127.0.0.1 on one host)",
+        metavar="ADDR",
+        help="host of node 0, where the coordinator runs (default: 127.0.0.1 on one host; "
+        "required with --nnodes > 1)",
     )
     parser.add_argument(
         "--master-port",
         "--master_port",
         type=int,
         default=None,
-        help="coordinator port (default: a free port on one host; required for several)",
+        metavar="PORT",
+        help="coordinator port (default: a free port on one host; required with --nnodes > 1)",
     )
     parser.add_argument(
         "--max-restarts",
         "--max_restarts",
         type=int,
         default=0,
-        help="restart the whole group up to this many times after a failure",
+        metavar="R",
+        help="restart the whole group up to R times after a failure (default: %(default)s)",
     )
     parser.add_argument(
-        "--log-dir", "--log_dir", default=None, help="write rank_N.log files here instead"
+        "--log-dir",
+        "--log_dir",
+        default=None,
+        metavar="DIR",
+        help="write each worker's output to DIR/attempt_K/rank_N.log (K from 1) instead of "
+        "the console (default: the console only)",
+    )
+    parser.add_argument(
+        "--tee",
+        action="store_true",
+        help="with --log-dir, write the log files and show the output on the console too",
+    )
+    parser.add_argument(
+        "--console-ranks",
+        "--console_ranks",
+        default="all",
+        metavar="RANKS",
+        help="whose output the console shows: 'all' or ranks such as 0 or 0,3; log files "
+        "get every rank's (default: %(default)s)",
     )
     parser.add_argument(
         "--run-id",
         "--run_id",
         default=None,
+        metavar="ID",
         help="run name (FDP_RUN_ID); workers join only a coordinator of the same run "
         "(default: random on one host; with --nnodes > 1, derived from --master-addr, "
         "--master-port and the sizes, the same on every host)",
@@ -132,34 +211,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--monitor-interval", type=float, default=0.1, help=argparse.SUPPRESS)
     parser.add_argument(
         "--grace-period",
+        "--grace_period",
         type=float,
         default=5.0,
-        help="seconds from SIGTERM to SIGKILL when stopping workers (default 5)",
+        metavar="S",
+        help="seconds from SIGTERM to SIGKILL when stopping workers (default: %(default)s)",
     )
     parser.add_argument(
         "--hang-timeout",
+        "--hang_timeout",
         type=float,
         default=30.0,
+        metavar="S",
         help="seconds a worker may complete no step (after its first) or stay stopped before "
-        "it is declared hung and the group stopped (default 30; 0: off)",
+        "it is declared hung and the group stopped; 0: off (default: %(default)s)",
     )
     parser.add_argument(
         "--no-gpu-binding",
         dest="bind_gpus",
         action="store_false",
-        help="leave CUDA_VISIBLE_DEVICES alone (default: one GPU share per worker)",
+        help="leave CUDA_VISIBLE_DEVICES alone (default: one share of the GPUs per worker)",
     )
     parser.add_argument(
         "--no-cpu-binding",
         dest="bind_cpus",
         action="store_false",
-        help="do not pin CPU-only workers to a share of the cores",
+        help="do not pin CPU-only workers to a share of the cores (default: pinned)",
     )
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the script as a module (python -m)"
     )
-    parser.add_argument("script", help="the training script (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    # Optional here so that a missing script is reported by name (from_namespace),
+    # not as "required: script, script_args": the script's arguments are optional.
+    parser.add_argument("script", nargs="?", help="the training script (or module with -m)")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="the script's arguments (optional)"
+    )
 
 
 def from_namespace(args: argparse.Namespace) -> LaunchConfig:
@@ -168,6 +255,11 @@ def from_namespace(args: argparse.Namespace) -> LaunchConfig:
     Raises:
       ValueError: the options are out of range or inconsistent.
     """
+    if not args.script:
+        raise ValueError(
+            "a training script is required: fdp launch [options] script.py [script args], "
+            "or -m package.module [args]."
+        )
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
@@ -187,6 +279,8 @@ def from_namespace(args: argparse.Namespace) -> LaunchConfig:
         master_port=args.master_port,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
+        tee=args.tee,
+        console_ranks=parse_ranks(args.console_ranks),
         monitor_interval=args.monitor_interval,
         grace_period=args.grace_period,
         hang_timeout=args.hang_timeout,

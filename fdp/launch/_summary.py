@@ -149,7 +149,58 @@ def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_
         lines.append("  other failures: " + ", ".join(failed))
     if stopped:
         lines.append("  stopped after the failure: " + ", ".join(stopped))
+    lines += format_table(exits)
     return "\n".join(lines)
+
+
+def format_success(exits: list[WorkerExit], attempt: int, attempts: int, run_id: str) -> str:
+    """The summary of a successful attempt: a line, then :func:`format_table`.
+
+    Example:
+      >>> print(format_success([WorkerExit(0, 0, 41, 0, 7.25, False, 9)], 0, 1, "ab12"))
+      all 1 worker(s) succeeded (attempt 1 of 1, run id ab12).
+        rank  local rank  pid  result  ended with   after
+        0     0           41   ok      exit code 0  7.2 s
+    """
+    head = (
+        f"all {len(exits)} worker(s) succeeded (attempt {attempt + 1} of {attempts}, "
+        f"run id {run_id})."
+    )
+    return "\n".join([head, *format_table(exits)])
+
+
+def format_table(exits: list[WorkerExit]) -> list[str]:
+    """One line per worker, by rank: how it ended, and after how long (indented by 2).
+
+    ``result`` is ``ok``, ``root cause`` (:func:`root_cause`), ``failed``, or
+    ``stopped`` (by the agent, after another worker failed).
+    """
+    cause = root_cause(exits)
+
+    def result(e: WorkerExit) -> str:
+        if e is cause:
+            return "root cause"
+        if e.failed:
+            return "failed"
+        return "stopped" if e.stopped and e.returncode != 0 else "ok"
+
+    rows = [("rank", "local rank", "pid", "result", "ended with", "after")]
+    rows += [
+        (
+            str(e.rank),
+            str(e.local_rank),
+            str(e.pid),
+            result(e),
+            describe_exit(e.returncode),
+            f"{e.elapsed:.1f} s",
+        )
+        for e in sorted(exits, key=lambda e: e.rank)
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
 
 
 def one_line(exits: list[WorkerExit]) -> str:

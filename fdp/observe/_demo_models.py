@@ -5,7 +5,10 @@ Only their shapes are built (``jax.eval_shape``): nothing is allocated or run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import os
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -64,19 +67,68 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], jax.Array]]] = {
 }
 
 
-def parameter_shapes(name: str, dtype: Any = jnp.float32) -> Any:
-    """The parameters of model ``name`` as ``jax.ShapeDtypeStruct``, in ``dtype``.
+def parameter_shapes(name: str, dtype: Any = None) -> Any:
+    """The parameters of model ``name`` as ``jax.ShapeDtypeStruct``.
+
+    Args:
+      name: a built-in model (``mlp``, ``cnn``, ``transformer``), or
+        ``module:function`` naming a function of no arguments that returns the
+        parameters (a pytree of arrays; the ``{"params": ...}`` that Linen's
+        ``init`` returns is unwrapped). The module is imported as ``python -m``
+        would, with the current directory first on ``sys.path``; the function
+        runs under ``jax.eval_shape``, so only shapes are built.
+      dtype: the dtype of every floating-point leaf; None: the model's own
+        (float32 for the built-in ones).
 
     Raises:
-      ValueError: an unknown model name.
+      ValueError: an unknown model name, or a ``module:function`` that cannot
+        be imported or called.
 
     Example:
       >>> shapes = parameter_shapes("mlp")
       >>> shapes["Dense_0"]["kernel"].shape, shapes["Dense_2"]["bias"].dtype
       ((64, 256), dtype('float32'))
     """
-    if name not in MODELS:
-        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}.")
-    make, example = MODELS[name]
-    shapes = jax.eval_shape(lambda: make().init(jax.random.key(0), example())["params"])
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
+    if name in MODELS:
+        make, example = MODELS[name]
+        shapes = jax.eval_shape(lambda: make().init(jax.random.key(0), example())["params"])
+    elif ":" in name:
+        shapes = jax.eval_shape(_function(name))
+        if isinstance(shapes, Mapping) and set(shapes) >= {"params"}:
+            shapes = shapes["params"]
+    else:
+        raise ValueError(
+            f"model must be one of {sorted(MODELS)} or module:function (a function of no "
+            f"arguments returning the parameters, e.g. mypkg.models:init_params), got {name!r}."
+        )
+    if dtype is None:
+        return shapes
+
+    def cast(s: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        floating = jnp.issubdtype(s.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype) if floating else s.dtype)
+
+    return jax.tree.map(cast, shapes)
+
+
+def _function(spec: str) -> Callable[[], Any]:
+    """The function ``module:function`` names (``function`` may be dotted: ``mod:Class.f``)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"model {spec!r} must read module:function, e.g. mypkg.models:params.")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as python -m: modules in the current directory
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"model {spec!r}: cannot import module {module_name!r} ({e}); run from the "
+            "directory that holds it, or put it on PYTHONPATH."
+        ) from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"model {spec!r}: {module_name!r} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model {spec!r}: {attr!r} is a {type(obj).__name__}, not a function.")
+    return obj

@@ -111,7 +111,15 @@ class BucketReport:
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / MiB:g} MiB ({nbytes:,} B)"
+    """A cap in MiB (as it was given) with its bytes; a cap under 0.01 MiB in bytes only.
+
+    Example:
+      >>> _mib(262144), _mib(26214400), _mib(104), _mib(int(0.3 * MiB))
+      ('0.25 MiB (262,144 B)', '25 MiB (26,214,400 B)', '104 B', '0.3 MiB (314,572 B)')
+    """
+    if nbytes < 0.01 * MiB:
+        return f"{nbytes:,} B"
+    return f"{nbytes / MiB:.4g} MiB ({nbytes:,} B)"
 
 
 def _plan_of(obj: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> BucketPlan:

@@ -61,6 +61,9 @@ _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|_KEY$|APIKEY", re.I)
 _USERINFO = re.compile(r"(?<![\w.-])([A-Za-z][\w+.-]*://)?[^\s/@:=,;]+:[^\s/@]*@")
 _TOKEN = re.compile(r"[A-Za-z0-9_+-]{32,}")  # no '/', '=', '.': paths and flags split
 HIDDEN = "<hidden>"
+# What ``import jax`` itself sets when they are unset: a report lists them only when
+# they differ, since these values say nothing about how the user ran the program.
+SET_BY_JAX = {"TF_CPP_MIN_LOG_LEVEL": "1", "TPU_SKIP_MDS_QUERY": "1"}
 
 
 def _long_token(match: re.Match[str]) -> str:
@@ -90,11 +93,13 @@ def environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
     Values are redacted twice: a variable whose name says it holds a secret
     is hidden whole, and credentials inside any other value (a URL's
-    ``user:password@``, a long token) are hidden where they stand.
+    ``user:password@``, a long token) are hidden where they stand. Variables
+    that ``import jax`` sets, with the value it sets (:data:`SET_BY_JAX`), are
+    left out.
 
     Example:
       >>> environment({"XLA_FLAGS": "--xla_dump_to=/tmp", "HOME": "/root",
-      ...              "RANK": "0", "FDP_TOKEN": "abc",
+      ...              "RANK": "0", "FDP_TOKEN": "abc", "TF_CPP_MIN_LOG_LEVEL": "1",
       ...              "FDP_COORDINATOR_ADDRESS": "user:pw@host:29500"})
       {'FDP_COORDINATOR_ADDRESS': '<hidden>@host:29500', 'FDP_TOKEN': '<hidden>',
        'RANK': '0', 'XLA_FLAGS': '--xla_dump_to=/tmp'}
@@ -103,7 +108,7 @@ def environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {
         name: HIDDEN if _SECRET.search(name) else redact(env[name])
         for name in sorted(env)
-        if name.startswith(_PREFIXES) or name in _NAMES
+        if (name.startswith(_PREFIXES) or name in _NAMES) and env[name] != SET_BY_JAX.get(name)
     }
 
 

@@ -170,7 +170,7 @@ def test_log_dir_gets_one_file_per_rank(tmp_path, marker):
     )
     assert out.returncode == 0, out.output
     for rank in (0, 1):
-        text = (logs / "attempt_0" / f"rank_{rank}.log").read_text()
+        text = (logs / "attempt_1" / f"rank_{rank}.log").read_text()
         assert f"out from rank {rank}" in text and f"err from rank {rank}" in text
     assert "[rank" not in out.stdout
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import pathlib
 import re
 
 import jax
@@ -77,7 +78,7 @@ def test_a_step_is_described_by_its_own_plan():
     step(state, fdp.shard_batch(make_data(0, 16)))
     text = fdp.describe(step)
     assert table_rows(text) == expected_rows(step.plan) and len(step.plan.buckets) == 3
-    assert text.startswith("caps: first bucket 0.000999451 MiB (1,048 B), then")
+    assert text.startswith("caps: first bucket 1,048 B, then 5,242 B\n")  # not 0.000999451 MiB
 
 
 def test_cli_describe_prints_the_demo_models_buckets(capsys):
@@ -98,3 +99,26 @@ def test_cli_describe_prints_the_demo_models_buckets(capsys):
 
     assert cli.main(["describe", "--bucket-cap-mb", "0"]) == 2
     assert "bucket_cap_mb must be a positive number of MiB, got 0.0" in capsys.readouterr().err
+
+
+def init_params():  # what `fdp describe --model test_describe:init_params` calls
+    return {"params": {"w": jnp.zeros((64, 64)), "b": jnp.zeros(64, jnp.bfloat16)}}
+
+
+def test_cli_describe_takes_your_own_model_as_module_function(capsys, monkeypatch):
+    monkeypatch.chdir(pathlib.Path(__file__).parent)  # found as python -m finds modules
+    assert cli.main(["describe", "--model", "test_describe:init_params"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model 'test_describe:init_params' (bfloat16, float32), buckets in")
+    assert table_rows(out) == [
+        (0, "float32", 1, 64 * 64 * 4, "['w']", "['w']"),
+        (1, "bfloat16", 1, 64 * 2, "['b']", "['b']"),
+    ]
+    for model, message in [
+        ("nope", "model must be one of ['cnn', 'mlp', 'transformer'] or module:function"),
+        ("no_such_module:f", "cannot import module 'no_such_module'"),
+        ("test_describe:missing", "'test_describe' has no attribute 'missing'"),
+        ("test_describe:json", "'json' is a module, not a function"),
+    ]:
+        assert cli.main(["describe", "--model", model]) == 2
+        assert message in capsys.readouterr().err

@@ -77,3 +77,12 @@ def test_credentials_in_values_are_hidden_wherever_the_variable():
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/x"
     assert (env["MASTER_ADDR"], env["JAX_COORDINATOR_ADDRESS"]) == ("[::1]", "10.0.0.1:1234")
     assert not any(s in str(env) for s in ("pa55word", "s3cret", token, "short"))
+
+
+def test_variables_set_by_import_jax_are_left_out():
+    """`import jax` sets TF_CPP_MIN_LOG_LEVEL=1 and TPU_SKIP_MDS_QUERY=1: not the user's doing."""
+    from fdp.observe._info import environment
+
+    set_by_jax = {"TF_CPP_MIN_LOG_LEVEL": "1", "TPU_SKIP_MDS_QUERY": "1"}
+    assert environment(set_by_jax) == {}
+    assert environment({"TF_CPP_MIN_LOG_LEVEL": "0"}) == {"TF_CPP_MIN_LOG_LEVEL": "0"}

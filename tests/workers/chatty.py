@@ -1,0 +1,34 @@
+"""A worker without JAX whose output is what real ones print (for test_output.py).
+
+    chatty.py
+
+Every rank prints gloo's connection line, a progress bar redrawn with carriage
+returns (as tqdm does) with gloo's line landing inside it, a line written in
+pieces with pauses between them, and a line to stderr; rank 0 waits for rank 1's
+pieces, so that their writes overlap in time.
+"""
+
+import os
+import sys
+import time
+
+rank = int(os.environ["RANK"])
+out = sys.stdout
+
+
+def write(text):
+    out.write(text)
+    out.flush()
+
+
+write(f"[Gloo] Rank {rank} is connected to 1 peer ranks. Expected number of connected peer ...\n")
+write(f"\rbar 0/3 of rank {rank}")
+write(f"[Gloo] Rank {rank + 4} is connected to 7 peer ranks. Expected number is : 7\n")
+for i in (1, 2, 3):
+    write(f"\rbar {i}/3 of rank {rank}")
+    time.sleep(0.05)
+write("\n")
+for piece in ("pieces", " of", f" rank {rank}\n"):
+    write(piece)
+    time.sleep(0.1)
+print(f"err from rank {rank}", file=sys.stderr, flush=True)
