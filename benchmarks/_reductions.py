@@ -15,8 +15,10 @@ DiLoCo's parameter all-reduce runs once every H steps and is divided by H.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -30,6 +32,9 @@ from sklearn.model_selection import train_test_split
 
 import fdp
 from fdp.observe._hlo import collective_stats
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _progress import progress
 
 
 class DigitsMLP(nn.Module):
@@ -127,7 +132,7 @@ def measure(model_name: str, steps: int, batch: int, rounds: int) -> list[dict[s
     order = [rng.permutation(len(train["y"]))[:batch] for _ in range(steps)]
     rows = []
     runs = {}
-    for name, kwargs in reductions().items():
+    for name, kwargs in progress(reductions().items(), f"{model_name}: reductions"):
         kwargs = dict(kwargs)
         flat = kwargs.pop("mesh", None) == "flat"
         mesh, axes = (flat_mesh, "data") if flat else (host_mesh, fdp.HOST_AXES)
@@ -145,8 +150,9 @@ def measure(model_name: str, steps: int, batch: int, rounds: int) -> list[dict[s
         ops = collective_stats(step.lower(state, batches[0])).ops
         sent = bytes_by_link(ops, per_host, every)
         for b in batches:
-            state, _ = step(state, b)
-        jax.block_until_ready(state)
+            # Wait each step: hundreds of queued steps on 8 simulated devices can starve
+            # XLA:CPU's collective rendezvous (it aborts after 40 s).
+            state, _ = jax.block_until_ready(step(state, b))
         final = state.params
         if averager is not None:  # replicas diverge between syncs: evaluate device 0's
             final = jax.tree.map(lambda x: x[0], final)

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fdp.collectives._axis import AxisName
+
 _MASK: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
     "fdp_example_mask", default=None
 )
@@ -45,7 +47,7 @@ def using_example_mask(mask: jax.Array | None) -> Iterator[None]:
         _MASK.reset(token)
 
 
-def bound_axis(axis_name: str | None) -> str | None:
+def bound_axis(axis_name: AxisName | None) -> AxisName | None:
     """``axis_name`` if it is bound here (inside the step's ``shard_map``), else None."""
     if axis_name is None:
         return None
@@ -79,7 +81,7 @@ def moments(
     x: jax.Array,
     reduction_axes: Sequence[int],
     *,
-    axis_name: str | None = None,
+    axis_name: AxisName | None = None,
     mask: jax.Array | None = None,
 ) -> Moments:
     """Mean and variances of ``x`` over ``reduction_axes`` and every device of ``axis_name``.

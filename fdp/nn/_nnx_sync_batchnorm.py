@@ -56,7 +56,7 @@ class NNXSyncBatchNorm(nnx.Module):
         param_dtype: Any = jnp.float32,
         use_bias: bool = True,
         use_scale: bool = True,
-        axis_name: str | None = DATA_AXIS,
+        axis_name: AxisName | None = DATA_AXIS,
         rngs: nnx.Rngs | None = None,
     ):
         del rngs

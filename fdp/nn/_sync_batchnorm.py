@@ -51,7 +51,7 @@ def torch_batch_norm(
     axis: int | Sequence[int],
     momentum: float | None,
     epsilon: float,
-    axis_name: str | None,
+    axis_name: AxisName | None,
     mask: jax.Array | None,
     dtype: Any,
     param_dtype: Any,
@@ -151,7 +151,7 @@ class SyncBatchNorm(nn.Module):
     use_scale: bool = True
     bias_init: Initializer = nn.initializers.zeros
     scale_init: Initializer = nn.initializers.ones
-    axis_name: str | None = DATA_AXIS
+    axis_name: AxisName | None = DATA_AXIS
 
     @nn.compact
     def __call__(
