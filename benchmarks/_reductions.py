@@ -209,14 +209,28 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(MODELS), figsize=(6 * len(MODELS), 4.5))
+    names = list(dict.fromkeys(r["reduction"] for r in rows))
+    markers = "osD^v<>pXh*P"
+    fig, axes = plt.subplots(1, len(MODELS), figsize=(6 * len(MODELS) + 2.5, 4.5))
     for ax, model in zip(np.atleast_1d(axes), MODELS, strict=True):
         for r in [r for r in rows if r["model"] == model]:
-            ax.scatter(r["outer_bytes"] / 1024, r["accuracy"])
-            ax.annotate(r["reduction"], (r["outer_bytes"] / 1024, r["accuracy"]), fontsize=7)
+            i = names.index(r["reduction"])
+            ax.scatter(
+                r["outer_bytes"] / 1024,
+                r["accuracy"],
+                marker=markers[i % len(markers)],
+                s=60,
+                color=plt.cm.tab20(i),
+                label=r["reduction"],
+            )
         ax.set_xscale("log")
-        ax.set_xlabel("bytes sent between hosts per device per step (KiB, log)")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("KiB sent between hosts per device per step (log)")
         ax.set_ylabel("held-out accuracy")
         ax.set_title(f"{model}: {rows[0]['steps']} steps, 2 hosts x 4 devices")
-    fig.tight_layout()
+        ax.grid(alpha=0.3)
+    handles, labels = np.atleast_1d(axes)[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.83, 1))
     fig.savefig(path, dpi=110)
