@@ -75,6 +75,11 @@ class StepConfig:
       zero_stage: ZeRO's stage (DeepSpeed's meaning): 0, DDP; 1, the optimizer
         state sharded over the data axis; 2, also the reduced gradients; 3, also
         the parameters between steps.
+      gather_aux: which ``aux`` leaves come back gathered along the batch
+        (one row per example, in the batch's order) instead of averaged over
+        devices: ``True``, those whose leading size is the local micro-batch's
+        (logits, per-example losses); ``False``, none; or a function
+        ``fn(key_path) -> bool`` naming them (``jax.tree_util.keystr`` paths).
 
     Example:
       >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
@@ -105,6 +110,7 @@ class StepConfig:
     weighting: str = "example"
     divide_by_initial_world_size: bool = True
     zero_stage: int = 0
+    gather_aux: bool | Callable[[str], bool] = True
 
     def __post_init__(self) -> None:
         if self.mesh is not None:
@@ -148,6 +154,11 @@ class StepConfig:
             raise ValueError(
                 f"weighting={self.weighting!r} weighs real examples per device and needs "
                 "per_example=True (a loss_fn returning one loss per example)."
+            )
+        if not (isinstance(self.gather_aux, bool) or callable(self.gather_aux)):
+            raise TypeError(
+                "gather_aux must be True, False or a function fn(key_path) -> bool, "
+                f"got {self.gather_aux!r}."
             )
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
         self._check_zero()
