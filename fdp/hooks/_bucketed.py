@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,6 +22,26 @@ from fdp.hooks._contract import (
     as_shards,
     check_layout,
     reduce_scatter_of,
+)
+
+
+@dataclasses.dataclass
+class ReductionTrace:
+    """What :func:`reduce_gradients` saw while :func:`fdp.ddp` traced a step.
+
+    Attributes:
+      typing_only: the trace only reads which outputs are replicated: the
+        gradients come in already summed by ``jax.grad`` and pass unchanged.
+      calls: how many times ``reduce_gradients`` ran in the trace.
+    """
+
+    typing_only: bool = False
+    calls: int = 0
+
+
+# Set by fdp.ddp around its traces of the user's step; None elsewhere.
+REDUCTION_TRACE: contextvars.ContextVar[ReductionTrace | None] = contextvars.ContextVar(
+    "fdp_reduction_trace", default=None
 )
 
 
@@ -183,6 +205,11 @@ def reduce_gradients(
       >>> mapped(jnp.ones(()), x).tolist()
       3.5
     """
+    trace = REDUCTION_TRACE.get()
+    if trace is not None:
+        trace.calls += 1
+        if trace.typing_only:
+            return grads
     if plan is None:
         plan = plan_for(grads, bucket_cap_mb, first_bucket_cap_mb)
     reduced, _ = reduce_with_hook(

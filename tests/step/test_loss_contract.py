@@ -30,7 +30,10 @@ def nnx_call(loss_fn, **kwargs):
     return fdp.nnx_train_step(loss_fn, **kwargs)(model, optimizer, BATCH)
 
 
-FORGOT_AUX = r"loss_fn returned a tuple of 2 \(an array float32\[\], dict\), but has_aux=False.*pass has_aux=True"
+FORGOT_AUX = (
+    r"loss_fn returned a tuple of 2 \(an array float32\[\], dict\), but has_aux=False"
+    r".*pass has_aux=True"
+)
 
 
 def test_linen_tuple_without_has_aux_names_the_fix():
