@@ -27,12 +27,13 @@ from fdp.hooks._contract import (
 
 @dataclasses.dataclass
 class ReductionTrace:
-    """What :func:`reduce_gradients` saw while :func:`fdp.ddp` traced a step.
+    """What the bucketed reduction saw while :func:`fdp.ddp` traced a step.
 
     Attributes:
       typing_only: the trace only reads which outputs are replicated: the
         gradients come in already summed by ``jax.grad`` and pass unchanged.
-      calls: how many times ``reduce_gradients`` ran in the trace.
+      calls: how many times :func:`reduce_with_hook` (which
+        :func:`reduce_gradients` calls) ran in the trace.
     """
 
     typing_only: bool = False
@@ -111,6 +112,11 @@ def reduce_with_hook(
       ValueError: the gradients are already reduced (the double-reduction
         trap), do not match the plan, or the hook returns the wrong shape/dtype.
     """
+    trace = REDUCTION_TRACE.get()
+    if trace is not None:  # under fdp.ddp
+        trace.calls += 1
+        if trace.typing_only:  # gradients already summed by jax.grad: only types matter
+            return grads, state
     n = axis_size(axis_name)
     check_layout(layout)
     plan = plan_for(grads) if plan is None else plan
@@ -205,11 +211,6 @@ def reduce_gradients(
       >>> mapped(jnp.ones(()), x).tolist()
       3.5
     """
-    trace = REDUCTION_TRACE.get()
-    if trace is not None:
-        trace.calls += 1
-        if trace.typing_only:
-            return grads
     if plan is None:
         plan = plan_for(grads, bucket_cap_mb, first_bucket_cap_mb)
     reduced, _ = reduce_with_hook(

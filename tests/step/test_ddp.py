@@ -199,3 +199,19 @@ def test_building_steps_at_module_level_starts_no_backend(marker):
     out = run(["-c", LAZY], marker, timeout=120)
     assert out.returncode == 0, out.output[-3000:]
     assert "4 (6,) 3.0" in out.stdout
+
+
+def test_a_comm_hook_inside_the_step():
+    hook = fdp.hooks.resolve("bf16_compress")
+
+    @fdp.ddp
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        g, _ = fdp.hooks.reduce_with_hook(hook, (), g, axis_name="data")
+        return w - 0.1 * g, loss
+
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    w, loss = step(jnp.ones(2), x)
+    grad = 2 * x.T @ (x @ np.ones(2)) / 8  # numpy, the whole batch
+    np.testing.assert_allclose(w, 1 - 0.1 * grad, rtol=1e-2)  # bf16 on the wire
+    assert float(loss) == 309.0
