@@ -47,6 +47,8 @@ from fdp.runtime._checkpoint import Restored as Restored
 from fdp.step._accumulate import Accumulated as Accumulated
 from fdp.step._accumulate import GradAccumulator as GradAccumulator
 from fdp.step._accumulate import grad_accumulator as grad_accumulator
+from fdp.step._ddp import DDPFunction as DDPFunction
+from fdp.step._ddp import ddp as ddp
 from fdp.step._linen import DataParallelStep as DataParallelStep
 from fdp.step._linen import train_step as train_step
 from fdp.step._nnx import NNXDataParallelStep as NNXDataParallelStep
@@ -64,6 +66,7 @@ __all__ = [
     "CollectiveStats",
     "DATA_AXIS",
     "HOST_AXES",
+    "DDPFunction",
     "DataParallelStep",
     "DebugLevel",
     "DistributedSampler",
@@ -85,6 +88,7 @@ __all__ = [
     "convert_sync_batchnorm",
     "data_mesh",
     "data_parallel",
+    "ddp",
     "debug_level",
     "describe",
     "find_unused_parameters",

@@ -31,7 +31,8 @@ def data_parallel(
       axis_name: its data axis.
 
     Returns:
-      A jitted ``apply(params, batch) -> outputs``.
+      A jitted ``apply(params, batch) -> outputs``. Like ``jax.jit``, building
+      it touches no device: the mesh is made at the first call.
 
     Example:
       >>> import jax.numpy as jnp
@@ -39,20 +40,32 @@ def data_parallel(
       >>> apply(jnp.ones((3, 2)), jnp.ones((13, 3))).shape
       (13, 2)
     """
-    mesh = data_mesh(axis_name=axis_name) if mesh is None else mesh
-    n = check_axis(mesh, axis_name)
-    mapped = jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=(P(), P(axis_name)),
-        out_specs=P(axis_name),
-        axis_names=set(axis_names_of(axis_name)),
-    )
+    if mesh is not None:
+        check_axis(mesh, axis_name)
+    else:
+        axis_names_of(axis_name)  # a name or a tuple of names
+    # Built at the first call, like jax.jit: making `apply` (at module level, say)
+    # starts no backend, so jax.config.update('jax_num_cpu_devices', ...) still works.
+    mapped: list[Any] = []
+
+    def build() -> tuple[Any, int]:
+        if not mapped:
+            m = data_mesh(axis_name=axis_name) if mesh is None else mesh
+            fn_mapped = jax.shard_map(
+                fn,
+                mesh=m,
+                in_specs=(P(), P(axis_name)),
+                out_specs=P(axis_name),
+                axis_names=set(axis_names_of(axis_name)),
+            )
+            mapped.append((fn_mapped, check_axis(m, axis_name)))
+        return mapped[0]
 
     @jax.jit
     def apply(params: Any, batch: Any) -> Any:
+        fn_mapped, n = build()
         size = leading_size(batch) or 0
         padded = pad_rows(batch, size + (-size % n))
-        return jax.tree.map(lambda y: y[:size], mapped(params, padded))
+        return jax.tree.map(lambda y: y[:size], fn_mapped(params, padded))
 
     return apply

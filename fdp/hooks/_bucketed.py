@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 from typing import Any
 
 import jax
@@ -21,6 +23,27 @@ from fdp.hooks._contract import (
     as_shards,
     check_layout,
     reduce_scatter_of,
+)
+
+
+@dataclasses.dataclass
+class ReductionTrace:
+    """What the bucketed reduction saw while :func:`fdp.ddp` traced a step.
+
+    Attributes:
+      typing_only: the trace only reads which outputs are replicated: the
+        gradients come in already summed by ``jax.grad`` and pass unchanged.
+      calls: how many times :func:`reduce_with_hook` (which
+        :func:`reduce_gradients` calls) ran in the trace.
+    """
+
+    typing_only: bool = False
+    calls: int = 0
+
+
+# Set by fdp.ddp around its traces of the user's step; None elsewhere.
+REDUCTION_TRACE: contextvars.ContextVar[ReductionTrace | None] = contextvars.ContextVar(
+    "fdp_reduction_trace", default=None
 )
 
 
@@ -90,6 +113,11 @@ def reduce_with_hook(
       ValueError: the gradients are already reduced (the double-reduction
         trap), do not match the plan, or the hook returns the wrong shape/dtype.
     """
+    trace = REDUCTION_TRACE.get()
+    if trace is not None:  # under fdp.ddp
+        trace.calls += 1
+        if trace.typing_only:  # gradients already summed by jax.grad: only types matter
+            return grads, state
     n = axis_size(axis_name)
     check_layout(layout)
     plan = plan_for(grads) if plan is None else plan

@@ -89,6 +89,11 @@ class StepConfig:
         gradient (float32 for bfloat16 parameters): cast up, reduced, cast
         back. Narrower (bfloat16 for float32): sent in it and summed in
         float32 (:func:`fdp.hooks.compressed_allreduce`).
+      gather_aux: which ``aux`` leaves come back gathered along the batch
+        (one row per example, in the batch's order) instead of averaged over
+        devices: ``True``, those whose leading size is the local micro-batch's
+        (logits, per-example losses); ``False``, none; or a function
+        ``fn(key_path) -> bool`` naming them (``jax.tree_util.keystr`` paths).
 
     Example:
       >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
@@ -121,6 +126,7 @@ class StepConfig:
     zero_stage: int = 0
     hierarchical: bool = False
     reduce_dtype: Any = None
+    gather_aux: bool | Callable[[str], bool] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_name, list):  # a list reads as the tuple it means
@@ -175,6 +181,11 @@ class StepConfig:
             raise ValueError(
                 f"weighting={self.weighting!r} weighs real examples per device and needs "
                 "per_example=True (a loss_fn returning one loss per example)."
+            )
+        if not (isinstance(self.gather_aux, bool) or callable(self.gather_aux)):
+            raise TypeError(
+                "gather_aux must be True, False or a function fn(key_path) -> bool, "
+                f"got {self.gather_aux!r}."
             )
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
         self._check_zero()

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
 from fdp.collectives._axis import AxisName
@@ -40,14 +41,15 @@ class Reduced(NamedTuple):
       keep: per parameter leaf, whether the update must leave it (and its
         optimizer state) untouched: ``True``, ``False`` or a traced bool; None
         when no leaf is kept.
-      metrics: ``{"loss": ..., "aux": ...}`` over the whole batch.
+      metrics: ``({"loss": ..., "aux": ...}, gathered)`` over the whole
+        batch: see :func:`reduce_metrics`; :func:`join_metrics` makes it one.
     """
 
     grads: Any
     buffers: Any
     hook_state: Any
     keep: tuple[Any, ...] | None
-    metrics: dict[str, Any]
+    metrics: tuple[dict[str, Any], tuple[Any, ...]]
 
 
 def device_rng(rng: jax.Array | None, axis_name: AxisName) -> jax.Array | None:
@@ -82,10 +84,19 @@ def sync_buffers(buffers: Any, mode: Any, axis_name: AxisName) -> Any:
     return jax.tree.map(leaf, buffers)
 
 
-def reduce_metrics(loss: jax.Array, aux: Any, axis_name: AxisName) -> dict[str, Any]:
+def reduce_metrics(
+    loss: jax.Array, aux: Any, axis_name: AxisName, rows: tuple[bool, ...] = ()
+) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """The loss (already reduced) and aux averaged over the data axis.
 
-    Integer and bool aux leaves are summed: counts add up.
+    Integer and bool aux leaves are summed: counts add up. Leaves with one row
+    per example (``rows``) are not reduced: they leave the step's shard_map
+    gathered along the batch (out spec ``P(axis)``, :data:`METRICS_SPECS`).
+
+    Returns:
+      ``(metrics, gathered)``: ``gathered`` has one entry per aux leaf, the
+      per-example leaf or None; in ``metrics['aux']`` those leaves are empty
+      placeholders until :func:`join_metrics` puts them back.
     """
 
     def reduce_leaf(x: Any) -> jax.Array:
@@ -95,9 +106,32 @@ def reduce_metrics(loss: jax.Array, aux: Any, axis_name: AxisName) -> dict[str, 
         return sum_over(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
 
     metrics = {"loss": loss}
+    gathered: tuple[Any, ...] = ()
     if aux is not None:
-        metrics["aux"] = jax.tree.map(reduce_leaf, aux)
-    return metrics
+        leaves, treedef = jax.tree.flatten(aux)
+        rows = rows or (False,) * len(leaves)
+        gathered = tuple(x if r else None for x, r in zip(leaves, rows, strict=True))
+        reduced = [
+            jnp.zeros((0,), jnp.result_type(x)) if r else reduce_leaf(x)
+            for x, r in zip(leaves, rows, strict=True)
+        ]
+        metrics["aux"] = jax.tree.unflatten(treedef, reduced)
+    return metrics, gathered
+
+
+def metrics_specs(axis_name: AxisName) -> tuple[Any, Any]:
+    """The out spec of :func:`reduce_metrics`'s pair: reduced replicated, rows gathered."""
+    return P(), P(axis_name)
+
+
+def join_metrics(pair: tuple[dict[str, Any], tuple[Any, ...]], size: int) -> dict[str, Any]:
+    """Outside the shard_map: the gathered per-example aux leaves put back, padding cut."""
+    metrics, gathered = pair
+    if not any(g is not None for g in gathered):
+        return metrics
+    leaves, treedef = jax.tree.flatten(metrics["aux"])
+    leaves = [x if g is None else g[:size] for x, g in zip(leaves, gathered, strict=True)]
+    return {**metrics, "aux": jax.tree.unflatten(treedef, leaves)}
 
 
 def reduce_step(
@@ -148,6 +182,7 @@ def reduce_step(
         mask=mask,
         rng=device_rng(rng, axis),
         track=plan.usage.conditional if tracked else (),
+        gather_aux=config.gather_aux,
     )
     grads, hook_state = reduce_with_hook(
         config.hook,
@@ -167,5 +202,5 @@ def reduce_step(
         sync_buffers(out.carry, config.buffers, axis),
         hook_state,
         keep,
-        reduce_metrics(out.global_loss(axis), out.aux, axis),
+        reduce_metrics(out.global_loss(axis), out.aux, axis, out.aux_rows),
     )

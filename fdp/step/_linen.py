@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,12 +13,13 @@ from jax.sharding import PartitionSpec as P
 from fdp.bucketing import plan_for
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
+from fdp.data._rows import leading_size
 from fdp.hooks import CommHook, ModelAverager
 from fdp.hooks._diloco import DiLoCo
 from fdp.observe._stats import StatsSchedule
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
-from fdp.step._core import reduce_step
+from fdp.step._core import join_metrics, metrics_specs, reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._runner import StepRunner
@@ -104,10 +106,12 @@ class DataParallelStep(StepRunner):
         self, plan: StepPlan, state: Any, batch: Any, rng: Any, mask: Any
     ) -> tuple[Any, dict[str, Any]]:
         cfg = self.config
+        size = leading_size(batch) or 0
         batch, mask = place_batch(batch, mask, plan.rows, cfg)
         core, side = split_side(state)
         if cfg.zero_stage:
-            return self._sharded_step(plan, core, side, batch, rng, mask)
+            new, metrics = self._sharded_step(plan, core, side, batch, rng, mask)
+            return new, join_metrics(metrics, size)
         stats = side.get("batch_stats")
         data = P(cfg.axis_name)
         state_spec = data if cfg.per_device_state else P()
@@ -115,14 +119,15 @@ class DataParallelStep(StepRunner):
         local = cfg.shard_map(
             lambda *args: self._local_step(plan, *args),
             in_specs=(state_spec, stats_spec, data, data, P(), data),
-            out_specs=(state_spec, stats_spec, data, P()),
+            out_specs=(state_spec, stats_spec, data, metrics_specs(cfg.axis_name)),
         )
         core, stats, comm, metrics = local(core, stats, side.get("comm_state"), batch, rng, mask)
-        return join_side(core, {"batch_stats": stats, "comm_state": comm}), metrics
+        new = join_side(core, {"batch_stats": stats, "comm_state": comm})
+        return new, join_metrics(metrics, size)
 
     def _local_step(
         self, plan: StepPlan, state: Any, stats: Any, comm: Any, batch: Any, rng: Any, mask: Any
-    ) -> tuple[Any, Any, Any, dict[str, Any]]:
+    ) -> tuple[Any, Any, Any, Any]:
         cfg = self.config
         wrapped = isinstance(stats, PerDevice)
         if cfg.per_device_state:
@@ -177,7 +182,7 @@ class DataParallelStep(StepRunner):
 
     def _sharded_step(
         self, plan: StepPlan, core: Any, side: dict[str, Any], batch: Any, rng: Any, mask: Any
-    ) -> tuple[Any, dict[str, Any]]:
+    ) -> tuple[Any, Any]:
         """Reduced gradients from a shard_map, then the update on sharded global arrays."""
         cfg = self.config
         mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
@@ -190,7 +195,7 @@ class DataParallelStep(StepRunner):
         local = cfg.shard_map(
             lambda *args: self._local_grads(plan, *args),
             in_specs=(params_in, stats_spec, data, data, P(), data),
-            out_specs=(grads_out, stats_spec, data, P(), P()),
+            out_specs=(grads_out, stats_spec, data, P(), metrics_specs(axis)),
         )
         grads, stats, comm, flags, metrics = local(
             core.params, stats, side.get("comm_state"), batch, rng, mask
@@ -214,7 +219,7 @@ class DataParallelStep(StepRunner):
 
     def _local_grads(
         self, plan: StepPlan, params: Any, stats: Any, comm: Any, batch: Any, rng: Any, mask: Any
-    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    ) -> tuple[Any, Any, Any, Any, Any]:
         """One device's reduced gradients (its shares from stage 2), buffers, hook state."""
         wrapped = isinstance(stats, PerDevice)
         if wrapped:
@@ -289,6 +294,7 @@ def train_step(
     zero_stage: int = 0,
     hierarchical: bool = False,
     reduce_dtype: Any = None,
+    gather_aux: bool | Callable[[str], bool] = True,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
 
@@ -363,6 +369,13 @@ def train_step(
       reduce_dtype: the dtype gradients are reduced in (FSDP2's
         ``reduce_dtype``): wider than a gradient, cast up and back; narrower,
         sent in it and summed in float32. None: their own dtype.
+      gather_aux: which ``aux`` leaves come back gathered along the batch (one
+        row per example, in the batch's order, padding cut) instead of averaged
+        over devices: ``True`` (default), those whose leading size is the
+        local micro-batch's, such as logits; ``False``, none; or a function
+        ``fn(key_path) -> bool`` choosing them by their
+        ``jax.tree_util.keystr`` path (a chosen leaf without one row per
+        example is an error).
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,

@@ -99,6 +99,8 @@ class LocalGrads:
       carry: the model state carried through the micro-batches (buffers).
       used: for each tracked leaf, whether some micro-batch gave it a non-zero
         gradient on this device.
+      aux_rows: per aux leaf, whether it holds one row per example (to be
+        gathered along the batch, not reduced).
     """
 
     grads: Any
@@ -107,6 +109,7 @@ class LocalGrads:
     aux: Any
     carry: Any
     used: jax.Array
+    aux_rows: tuple[bool, ...] = ()
 
     def global_loss(self, axis_name: AxisName) -> jax.Array:
         """The loss over the whole batch (a collective: call it after the buckets)."""
@@ -130,14 +133,47 @@ def split_micro_batches(batch: Any, k: int) -> Any:
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
 
-def _combine_aux(stacked: Any, k: int) -> Any:
-    if k == 1:
-        return jax.tree.map(lambda x: x[0], stacked)
+def per_example_leaves(stacked: Any, rows: int, gather: Any) -> tuple[bool, ...]:
+    """Per leaf of the micro-batches' stacked aux ``[K, ...]``: one row per example?
 
-    def leaf(x: jax.Array) -> jax.Array:
+    Args:
+      stacked: the aux of the ``K`` micro-batches, stacked.
+      rows: the rows of one micro-batch.
+      gather: the step's ``gather_aux``: ``True`` (leaves whose leading size is
+        ``rows``), ``False`` (none) or ``fn(key_path) -> bool``.
+
+    Raises:
+      ValueError: ``gather`` names a leaf without one row per example.
+    """
+    paths = jax.tree_util.tree_flatten_with_path(stacked)[0]
+    if gather is True or gather is False:
+        return tuple(gather and x.ndim >= 2 and x.shape[1] == rows for _, x in paths)
+    flags = []
+    for path, x in paths:
+        name = jax.tree_util.keystr(path)
+        chosen = bool(gather(name))
+        if chosen and not (x.ndim >= 2 and x.shape[1] == rows):
+            raise ValueError(
+                f"gather_aux names aux leaf {name or 'aux'}, whose shape on one device is "
+                f"{tuple(x.shape[1:])}; a gathered leaf needs one row per example of the "
+                f"local micro-batch ({rows}, ...). Leave it out of gather_aux to average it "
+                "over devices, or return it per example."
+            )
+        flags.append(chosen)
+    return tuple(flags)
+
+
+def _combine_aux(stacked: Any, k: int, rows: tuple[bool, ...]) -> Any:
+    leaves, treedef = jax.tree.flatten(stacked)
+
+    def leaf(x: jax.Array, per_example: bool) -> jax.Array:
+        if per_example:  # micro-batch i holds the local rows iB:(i+1)B
+            return x.reshape(-1, *x.shape[2:])
+        if k == 1:
+            return x[0]
         return x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x.sum(0)
 
-    return jax.tree.map(leaf, stacked)
+    return jax.tree.unflatten(treedef, [leaf(x, r) for x, r in zip(leaves, rows, strict=True)])
 
 
 def local_gradients(
@@ -154,6 +190,7 @@ def local_gradients(
     mask: jax.Array | None = None,
     rng: jax.Array | None = None,
     track: Sequence[int] = (),
+    gather_aux: Any = True,
 ) -> LocalGrads:
     """Scans the micro-batches of this device's batch and sums their gradients.
 
@@ -171,6 +208,8 @@ def local_gradients(
         examples, 0 for padding, ``STEP_PADDING`` for the step's own padding.
       rng: this device's key, folded with the micro-batch index when K > 1.
       track: indices of parameter leaves whose run-time use is recorded.
+      gather_aux: which aux leaves hold one row per example (see
+        :func:`per_example_leaves`).
 
     Returns:
       A :class:`LocalGrads`.
@@ -226,4 +265,7 @@ def local_gradients(
         state, aux = jax.lax.scan(micro, state0, xs)
     acc, carry, loss_acc, used = state
     grads = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(acc, dtypes, strict=True)])
-    return LocalGrads(grads, loss_acc, total_or_none, _combine_aux(aux, k), carry, used)
+    micro_rows = jax.tree.leaves(micro_batches)[0].shape[1]
+    rows = per_example_leaves(aux, micro_rows, gather_aux)
+    aux = _combine_aux(aux, k, rows)
+    return LocalGrads(grads, loss_acc, total_or_none, aux, carry, used, rows)

@@ -61,6 +61,7 @@ def call_loss(
             buffers = rest
     else:
         loss = out
+    _check_is_array(loss, cfg, has_buffers)
     batch_size = jnp.shape(jax.tree.leaves(args[1])[0])[0] if len(args) > 1 else None
     want = (batch_size,) if cfg.per_example else ()
     if jnp.shape(loss) != want or not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
@@ -79,7 +80,32 @@ def call_loss(
     return loss, aux, buffers
 
 
+def _check_is_array(loss: Any, cfg: StepConfig, has_buffers: bool) -> None:
+    """Raises fdp's message when the loss is not an array (before ``jnp.shape`` would)."""
+    if (hasattr(loss, "shape") and hasattr(loss, "dtype")) or isinstance(loss, float | int):
+        return
+    if isinstance(loss, tuple | list) and not cfg.has_aux and not has_buffers:
+        raise TypeError(
+            f"loss_fn returned a {type(loss).__name__} of {len(loss)} "
+            f"({', '.join(_describe(x) for x in loss)}), but has_aux=False, so the step "
+            "expects the loss alone. If it returns (loss, aux), pass has_aux=True to the "
+            "step (aux values then come back in metrics['aux']); otherwise return only the "
+            "mean loss."
+        )
+    raise TypeError(
+        "loss_fn must return the mean loss over the local batch as a float scalar array "
+        f"where it returns the loss; got {_describe(loss)}"
+        + (
+            ". With has_aux=True the result is (loss, aux): is the tuple nested one level too deep?"
+            if isinstance(loss, tuple | list)
+            else "."
+        )
+    )
+
+
 def _describe(x: Any) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"an array {jnp.result_type(x)}{list(jnp.shape(x))}"
+    if isinstance(x, tuple | list):
+        return f"a {type(x).__name__} of {len(x)}"
     return type(x).__name__

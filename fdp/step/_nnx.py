@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,11 +16,12 @@ from jax.sharding import PartitionSpec as P
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, replicate
+from fdp.data._rows import leading_size
 from fdp.hooks import CommHook
 from fdp.observe._stats import StatsSchedule
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
-from fdp.step._core import reduce_step
+from fdp.step._core import join_metrics, metrics_specs, reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._runner import StepRunner
@@ -87,7 +90,10 @@ class NNXDataParallelStep(StepRunner):
             self._remember_shapes(params, nnx.state(optimizer.opt_state))
         micro_batch = local_batch_struct(batch, rows, cfg)
         loss = _ModelLoss(self.loss_fn, graphdef)
-        return prepare(cfg, loss, rows, params, micro_batch, keys, rest)
+        try:
+            return prepare(cfg, loss, rows, params, micro_batch, keys, rest)
+        except flax.errors.TraceContextError as e:
+            raise _captured_object_error(e) from e
 
     def init(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None) -> None:
         """Places ``model`` and ``optimizer`` on the mesh and gives ``optimizer`` the hook's state.
@@ -133,22 +139,25 @@ class NNXDataParallelStep(StepRunner):
 
     def _global_step(
         self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
-    ) -> tuple[Any, Any, dict[str, Any]]:
+    ) -> tuple[Any, Any, Any]:
         cfg = self.config
+        size = leading_size(batch) or 0
         batch, mask = place_batch(batch, mask, plan.rows, cfg)
         if cfg.zero_stage:
-            return self._sharded_step(plan, graphdef, comm, state, batch, mask)
+            comm, state, metrics = self._sharded_step(plan, graphdef, comm, state, batch, mask)
+            return comm, state, join_metrics(metrics, size)
         data = P(cfg.axis_name)
         local = cfg.shard_map(
             lambda c, s, b, m: self._local_step(plan, graphdef, c, s, b, m),
             in_specs=(data, P(), data, data),
-            out_specs=(data, P(), P()),
+            out_specs=(data, P(), metrics_specs(cfg.axis_name)),
         )
-        return local(comm, state, batch, mask)
+        comm, state, metrics = local(comm, state, batch, mask)
+        return comm, state, join_metrics(metrics, size)
 
     def _local_step(
         self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
-    ) -> tuple[Any, Any, dict[str, Any]]:
+    ) -> tuple[Any, Any, Any]:
         cfg = self.config
         model, optimizer = nnx.merge(graphdef, strip_device_axis(comm), state)
         model_def, params, keys, rest = _split_model(model, optimizer)
@@ -190,7 +199,7 @@ class NNXDataParallelStep(StepRunner):
 
     def _sharded_step(
         self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
-    ) -> tuple[Any, Any, dict[str, Any]]:
+    ) -> tuple[Any, Any, Any]:
         """Reduced gradients from a shard_map, then ``optimizer.update`` on sharded arrays."""
         cfg = self.config
         mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
@@ -220,7 +229,13 @@ class NNXDataParallelStep(StepRunner):
         grads, buffers, hook_state, flags, metrics = cfg.shard_map(
             local,
             in_specs=(param_specs if cfg.zero_stage >= 3 else P(), P(), P(), data, data, data),
-            out_specs=(param_specs if cfg.scatters_gradients else P(), P(), data, P(), P()),
+            out_specs=(
+                param_specs if cfg.scatters_gradients else P(),
+                P(),
+                data,
+                P(),
+                metrics_specs(axis),
+            ),
         )(params, keys, rest, hook_state, batch, mask)
         nnx.update(model, buffers)
         # The update, written on whole arrays: XLA runs it on each device's share.
@@ -278,6 +293,20 @@ class NNXDataParallelStep(StepRunner):
         return plan, graphdef, comm, state
 
 
+def _captured_object_error(error: Exception) -> TypeError:
+    """The error for an NNX object mutated from inside the step's trace, naming the fix."""
+    return TypeError(
+        "loss_fn changes an NNX object that is not the model, such as an nnx.Rngs captured "
+        "from outside (`lambda m, b: loss_fn(m, b, rngs)`): NNX objects can only change at "
+        "the trace level they come from, and fdp.nnx_train_step traces loss_fn(model, "
+        "batch) with the model alone. Either keep the Rngs in the model (`self.rngs = "
+        "rngs` in __init__, or nnx.Dropout(rate, rngs=rngs)), or keep your own step "
+        "`train_step(model, optimizer, metrics, rngs, batch)` and decorate it with "
+        "@fdp.ddp, which takes the rngs as an argument (add `grads = "
+        f"fdp.reduce_gradients(grads)` after taking them). JAX said: {error}"
+    )
+
+
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(
@@ -309,6 +338,7 @@ def nnx_train_step(
     zero_stage: int = 0,
     hierarchical: bool = False,
     reduce_dtype: Any = None,
+    gather_aux: bool | Callable[[str], bool] = True,
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
 
@@ -357,6 +387,8 @@ def nnx_train_step(
       hierarchical: two-level reduction on a host x device mesh (see
         :func:`fdp.train_step`).
       reduce_dtype: the dtype gradients are reduced in (see :func:`fdp.train_step`).
+      gather_aux: which ``aux`` leaves come back gathered along the batch
+        (logits) rather than averaged; see :func:`fdp.train_step`.
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.

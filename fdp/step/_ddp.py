@@ -1,0 +1,410 @@
+"""``fdp.ddp``: your own step function made data-parallel, in place of ``jax.jit`` / ``nnx.jit``.
+
+The adoption path for code that already has a step: keep the function, put
+``@fdp.ddp`` where ``@jax.jit`` (or ``@nnx.jit``) was, and reduce the gradients
+with ``grads = fdp.reduce_gradients(grads)`` right after taking them. Batch
+arguments are split over the data axis, everything else is replicated, and the
+function runs once per device on its share (``jax.shard_map`` with pmap's
+semantics: ``jax.grad`` gives per-device gradients and fdp's bucketed mean is the
+one reduction).
+
+What comes back is decided per output leaf, from how it depends on the data. A
+first, abstract trace (with JAX's replication tracking on) tells leaves that are
+the same on every device from those that are not:
+
+- the same on every device (updated parameters, optimizer state, a step count):
+  returned as they are;
+- different per device, with the local batch's leading size (logits, per-example
+  losses): gathered along the batch, in the batch's order;
+- different per device otherwise: floats averaged over the devices, integers and
+  bools summed (counts add up), as ``fdp.train_step`` does with ``aux``;
+- the variables of an ``nnx.Metric`` (totals, counts) add up their changes over
+  the devices, as torchmetrics' sync does, so ``metrics.compute()`` is the whole
+  batch's; other NNX variables that change per device (BatchNorm statistics)
+  take device 0's values, like DDP's ``broadcast_buffers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from fdp.collectives import broadcast, is_varying
+from fdp.collectives._axis import AxisName
+from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
+from fdp.hooks._bucketed import REDUCTION_TRACE, ReductionTrace
+
+SAME, GATHER, MEAN, SUM, FIRST, ADD_CHANGES = "same", "gather", "mean", "sum", "first", "add"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The static part of one call's shapes: what is split and how each output returns."""
+
+    graphdef: Any  # the NNX objects' graph (None without any)
+    node_positions: tuple[int, ...]  # arguments that are NNX objects
+    batch: tuple[bool, ...]  # per argument: split over the data axis
+    metric_leaves: tuple[bool, ...]  # per NNX state leaf: inside an nnx.Metric
+    out_treedef: Any = None
+    out_rules: tuple[str, ...] = ()
+    state_rules: tuple[str, ...] = ()
+
+
+def _is_node(x: Any) -> bool:
+    return nnx.graph.is_graph_node(x)
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _looks_like_batch(x: Any) -> bool:
+    """An array, or a dict/list/tuple of arrays sharing one leading size, not a key."""
+    if _is_node(x):
+        return False
+
+    def plain(t: Any) -> bool:
+        if isinstance(t, dict):
+            return all(plain(v) for v in t.values())
+        if isinstance(t, list | tuple) and type(t) in (list, tuple):
+            return all(plain(v) for v in t)
+        return isinstance(t, np.ndarray | jax.Array) and not _is_key(t)
+
+    leaves = jax.tree.leaves(x)
+    if not leaves or not plain(x) or any(np.ndim(v) == 0 for v in leaves):
+        return False
+    return len({np.shape(v)[0] for v in leaves}) == 1
+
+
+def _metric_leaves(nodes: tuple, state: Any) -> tuple[bool, ...]:
+    """Per leaf of ``state``: whether it belongs to an ``nnx.Metric``."""
+    metric_paths = [
+        tuple(path) for path, node in nnx.iter_graph(nodes) if isinstance(node, nnx.metrics.Metric)
+    ]
+    flags = []
+    for path, _ in nnx.to_flat_state(state):
+        flags.append(any(tuple(path[: len(m)]) == m for m in metric_paths))
+    return tuple(flags)
+
+
+def _flatten_out(out: Any) -> tuple[list[Any], Any]:
+    leaves, treedef = jax.tree.flatten(out)
+    return [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves], treedef
+
+
+def _out_rule(x: Any, axis: AxisName, local_rows: frozenset[int]) -> str:
+    if not is_varying(x, axis):
+        return SAME
+    if _is_key(x) or (not jnp.issubdtype(x.dtype, jnp.number) and x.dtype != jnp.bool_):
+        return FIRST
+    if jnp.ndim(x) >= 1 and jnp.shape(x)[0] in local_rows:
+        return GATHER
+    return MEAN if jnp.issubdtype(x.dtype, jnp.inexact) else SUM
+
+
+def _state_rule(x: Any, in_metric: bool, axis: AxisName) -> str:
+    # A metric's totals and counts add up over devices, all of them: a count raised by
+    # the local batch's (static) size is the same on every device and still counts
+    # only that device's examples.
+    if in_metric and jnp.issubdtype(x.dtype, jnp.number):
+        return ADD_CHANGES
+    return SAME if not is_varying(x, axis) else FIRST
+
+
+def _apply_rule(rule: str, x: Any, old: Any, axis: AxisName) -> Any:
+    if rule in (SAME, GATHER):
+        return x
+    if rule == MEAN:
+        return jax.lax.pmean(x, axis)
+    if rule == SUM:
+        return jax.lax.psum(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis)
+    if rule == ADD_CHANGES:
+        return old + jax.lax.psum(x - old, axis)
+    return broadcast(x, 0, axis_name=axis)
+
+
+def _has_auto_reduction(jaxpr: Any) -> bool:
+    """Whether a jaxpr (or one inside it) sums gradients over an axis by itself.
+
+    ``jax.grad`` of replicated values inside a replication-tracking ``shard_map``
+    does, with ``psum_invariant``.
+    """
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "psum_invariant":
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, list | tuple) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jex.Jaxpr) and _has_auto_reduction(inner):
+                    return True
+    return False
+
+
+class DDPFunction:
+    """A step function made data-parallel by :func:`fdp.ddp`; call it as the function."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        mesh: Mesh | None,
+        axis_name: AxisName,
+        batch_argnums: Sequence[int] | None,
+    ):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+        self._mesh = mesh
+        self._axis_name = axis_name
+        self._batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
+        self._layouts: dict[Any, _Layout] = {}
+        self._jitted: Any = None
+        try:
+            self._arg_names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            self._arg_names = ()
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh (made at the first use: building the step starts no backend)."""
+        if self._mesh is None:
+            self._mesh = data_mesh(axis_name=self._axis_name)
+        return self._mesh
+
+    def _name(self, i: int) -> str:
+        name = self._arg_names[i] if i < len(self._arg_names) else None
+        return f"argument {i}" + (f" ({name})" if name else "")
+
+    # -- one device's program -------------------------------------------------------------
+
+    def _body(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> tuple[Any, Any]:
+        axis = self._axis_name
+        index = jax.lax.axis_index(axis)
+
+        def fold(x: Any) -> Any:  # each device draws its own random numbers (dropout)
+            return jax.random.fold_in(x, index) if _is_key(x) else x
+
+        args = [a if layout.batch[i] else jax.tree.map(fold, a) for i, a in enumerate(others)]
+        nodes: tuple = ()
+        if layout.graphdef is not None:
+            local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
+            nodes = nnx.merge(layout.graphdef, local_keys, state, copy=True)
+            for pos, node in zip(layout.node_positions, nodes, strict=True):
+                args[pos] = node
+        out = self.fn(*args)
+        new_state = nnx.split(nodes, nnx.RngKey, ...)[2] if nodes else None
+        return out, new_state
+
+    def _specs(self, layout: _Layout) -> tuple:
+        data = P(self._axis_name)
+        return (P(), P(), tuple(data if b else P() for b in layout.batch))
+
+    def _classify(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> _Layout:
+        """Which outputs are the same on every device: an abstract, replication-typed trace."""
+        axis, n = self._axis_name, check_axis(self.mesh, self._axis_name)
+        rows = frozenset(
+            int(np.shape(leaf)[0]) // n
+            for a, b in zip(others, layout.batch, strict=True)
+            if b
+            for leaf in jax.tree.leaves(a)
+        )
+        seen: dict[str, Any] = {}
+
+        def body(keys: Any, state: Any, others: tuple) -> tuple:
+            out, new_state = self._body(layout, keys, state, others)
+            leaves, seen["treedef"] = _flatten_out(out)
+            seen["out"] = tuple(_out_rule(x, axis, rows) for x in leaves)
+            state_leaves = jax.tree.leaves(new_state)
+            seen["state"] = tuple(
+                _state_rule(x, m, axis)
+                for x, m in zip(state_leaves, layout.metric_leaves, strict=True)
+            )
+            return ()
+
+        trace = ReductionTrace(typing_only=True)
+        token = REDUCTION_TRACE.set(trace)
+        try:
+            closed = jax.make_jaxpr(
+                jax.shard_map(
+                    body,
+                    mesh=self.mesh,
+                    in_specs=self._specs(layout),
+                    out_specs=(),
+                    axis_names=set(axis_names_of(axis)),
+                    check_vma=True,
+                )
+            )(keys, state, others)
+        finally:
+            REDUCTION_TRACE.reset(token)
+        if trace.calls == 0 and _has_auto_reduction(closed.jaxpr):
+            raise ValueError(
+                f"fdp.ddp: {getattr(self.fn, '__name__', 'the step')} takes gradients but "
+                "never calls fdp.reduce_gradients, so each device would apply the gradient of "
+                "its own share of the batch and the replicas would drift apart. Add "
+                "`grads = fdp.reduce_gradients(grads)` right after taking them."
+            )
+        return dataclasses.replace(
+            layout, out_treedef=seen["treedef"], out_rules=seen["out"], state_rules=seen["state"]
+        )
+
+    def _run(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> tuple:
+        axis = self._axis_name
+        data = P(axis)
+
+        def body(keys: Any, state: Any, others: tuple) -> tuple:
+            olds = jax.tree.leaves(state)  # before the step's in-place updates
+            out, new_state = self._body(layout, keys, state, others)
+            leaves, _ = _flatten_out(out)
+            rules = layout.out_rules
+            leaves = [_apply_rule(r, x, None, axis) for r, x in zip(rules, leaves, strict=True)]
+            if new_state is not None:
+                flat, treedef = jax.tree.flatten(new_state)
+                flat = [
+                    _apply_rule(r, x, o, axis)
+                    for r, x, o in zip(layout.state_rules, flat, olds, strict=True)
+                ]
+                new_state = jax.tree.unflatten(treedef, flat)
+            return tuple(leaves), new_state
+
+        out_specs = (tuple(data if r == GATHER else P() for r in layout.out_rules), P())
+        mapped = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=self._specs(layout),
+            out_specs=out_specs,
+            axis_names=set(axis_names_of(axis)),
+            check_vma=False,  # pmap's semantics: jax.grad gives per-device gradients
+        )
+        return mapped(keys, state, others)
+
+    # -- the call -------------------------------------------------------------------------
+
+    def _batch_flags(self, args: tuple, node_positions: tuple[int, ...]) -> tuple[bool, ...]:
+        if self._batch_argnums is not None:
+            chosen = {i % len(args) for i in self._batch_argnums}
+            return tuple(i in chosen and i not in node_positions for i in range(len(args)))
+        # The first argument is the state (a TrainState, parameters, a model), never split.
+        return tuple(i > 0 and _looks_like_batch(a) for i, a in enumerate(args))
+
+    def _check_batch(self, args: tuple, batch: tuple[bool, ...]) -> None:
+        n = check_axis(self.mesh, self._axis_name)
+        for i, (a, b) in enumerate(zip(args, batch, strict=True)):
+            if not b:
+                continue
+            for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+                size = np.shape(leaf)[0] if np.ndim(leaf) else None
+                if size is None or size % n:
+                    raise ValueError(
+                        f"fdp.ddp: {self._name(i)} is split over the {n} devices of axis "
+                        f"{self._axis_name!r}, but {jax.tree_util.keystr(path) or 'it'} "
+                        f"has shape {tuple(np.shape(leaf))}: its leading (batch) size must be a "
+                        f"multiple of {n}. Use such a batch size, or pass batch_argnums= to "
+                        "fdp.ddp naming only the arguments to split."
+                    )
+
+    def __call__(self, *args: Any) -> Any:
+        node_positions = tuple(i for i, a in enumerate(args) if _is_node(a))
+        nodes = tuple(args[i] for i in node_positions)
+        graphdef = keys = state = None
+        metric_leaves: tuple[bool, ...] = ()
+        if nodes:
+            graphdef, keys, state = nnx.split(nodes, nnx.RngKey, ...)
+            metric_leaves = _metric_leaves(nodes, state)
+        others = tuple(None if i in node_positions else a for i, a in enumerate(args))
+        batch = self._batch_flags(args, node_positions)
+        self._check_batch(args, batch)
+        leaves, treedef = jax.tree.flatten((keys, state, others))
+        signature = (
+            graphdef,
+            treedef,
+            batch,
+            tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
+        )
+        layout = self._layouts.get(signature)
+        if layout is None:
+            if len(self._layouts) >= 64:  # new shapes every call: keep memory bounded
+                self._layouts.clear()
+            base = _Layout(graphdef, node_positions, batch, metric_leaves)
+            layout = self._layouts[signature] = self._classify(base, keys, state, others)
+        if self._jitted is None:
+            self._jitted = jax.jit(self._run, static_argnums=(0,))
+        trace = ReductionTrace()
+        token = REDUCTION_TRACE.set(trace)
+        try:
+            out_leaves, new_state = self._jitted(layout, keys, state, others)
+        finally:
+            REDUCTION_TRACE.reset(token)
+        if nodes:
+            nnx.update(nodes, new_state)
+        return jax.tree.unflatten(layout.out_treedef, list(out_leaves))
+
+
+def ddp(
+    fn: Callable[..., Any] | None = None,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: AxisName = DATA_AXIS,
+    batch_argnums: int | Sequence[int] | None = None,
+) -> Any:
+    """Makes your own step function data-parallel: use it where ``jax.jit`` / ``nnx.jit`` was.
+
+    The function runs on every device with its share of the batch, jitted. Inside
+    it, reduce the gradients with ``fdp.reduce_gradients(grads)`` (DDP's bucketed
+    mean) before using them; everything else stays as written, metrics updated
+    inside included. NNX objects among the arguments (model, optimizer,
+    ``nnx.MultiMetric``, ``nnx.Rngs``) are updated in place, as ``nnx.jit`` does,
+    and random keys draw different numbers on each device.
+
+    Which arguments are split over the data axis: with ``batch_argnums`` those;
+    otherwise every argument after the first that is an array, or a
+    dict/list/tuple of arrays of one leading size (a batch), and not an NNX
+    object or a random key. Everything else (the first argument, a
+    ``TrainState``, a model) is replicated. How each output
+    comes back (the same on every device, gathered along the batch, averaged or
+    summed) is described in the module docs and in docs/porting.md.
+
+    Args:
+      fn: the step function (also usable as ``@fdp.ddp(mesh=...)``).
+      mesh: the mesh (default: all devices on one ``'data'`` axis), made at the
+        first call.
+      axis_name: the data axis of ``mesh``.
+      batch_argnums: positions of the arguments to split over the data axis.
+
+    Returns:
+      The data-parallel function, called with the same arguments as ``fn``.
+
+    Raises:
+      ValueError: (at a call) a batch does not split over the devices, or ``fn``
+        takes gradients without calling ``fdp.reduce_gradients``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import fdp
+      >>> @fdp.ddp
+      ... def step(w, x):
+      ...     loss, grads = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+      ...     grads = fdp.reduce_gradients(grads)
+      ...     return w - 0.1 * grads, loss
+      >>> w, loss = step(jnp.ones(2), jnp.arange(16.0).reshape(8, 2))
+      >>> round(float(loss), 2), w.shape
+      (309.0, (2,))
+    """
+    if isinstance(batch_argnums, int):
+        batch_argnums = (batch_argnums,)
+    if fn is None:
+        return functools.partial(ddp, mesh=mesh, axis_name=axis_name, batch_argnums=batch_argnums)
+    if not callable(fn):
+        raise TypeError(f"fdp.ddp: fn must be callable, got {type(fn).__name__}.")
+    if mesh is not None:
+        check_axis(mesh, axis_name)
+    return DDPFunction(fn, mesh, axis_name, batch_argnums)
