@@ -42,6 +42,7 @@ from fdp.runtime import local_world_size as local_world_size
 from fdp.runtime import process_count as process_count
 from fdp.runtime import process_index as process_index
 from fdp.runtime._checkpoint import CheckpointManager as CheckpointManager
+from fdp.runtime._checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from fdp.runtime._checkpoint import Restored as Restored
 from fdp.step._accumulate import Accumulated as Accumulated
 from fdp.step._accumulate import GradAccumulator as GradAccumulator
@@ -61,6 +62,7 @@ __all__ = [
     "BucketRow",
     "CheckpointManager",
     "CollectiveStats",
+    "CorruptCheckpointError",
     "DATA_AXIS",
     "DataParallelStep",
     "DebugLevel",
