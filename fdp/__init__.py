@@ -44,6 +44,7 @@ from fdp.runtime import process_index as process_index
 from fdp.runtime._checkpoint import CheckpointManager as CheckpointManager
 from fdp.runtime._checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from fdp.runtime._checkpoint import Restored as Restored
+from fdp.runtime._preemption import reached_preemption as reached_preemption
 from fdp.step._accumulate import Accumulated as Accumulated
 from fdp.step._accumulate import GradAccumulator as GradAccumulator
 from fdp.step._accumulate import grad_accumulator as grad_accumulator
@@ -102,6 +103,7 @@ __all__ = [
     "plan_buckets",
     "process_count",
     "process_index",
+    "reached_preemption",
     "reduce_gradients",
     "replicate",
     "runtime",
