@@ -228,11 +228,18 @@ class CheckpointManager:
             raise FileNotFoundError(f"{which} in {self.directory} (steps there: {steps}).")
         damaged = "; ".join(f"{self.step_dir(s)}: {why}" for s, why in verdict["bad"])
         others = [s for s in steps if s != step]
-        fix = (
-            f"Restore an older step (step=... of {others})"
-            if others
-            else "Start afresh in a new directory (or delete these)"
-        )
+        if step is None:
+            # Moved aside, so that a restarted run (--max-restarts) starts afresh
+            # instead of failing here again on every attempt.
+            fix = (
+                f"They were moved to <step>{_ckpt_files.CORRUPT_SUFFIX}, so the next start "
+                "finds no checkpoint and trains from the beginning; to keep them out of "
+                "the way of this run, start it in a new directory"
+            )
+        elif others:
+            fix = f"Restore an older step (step=... of {others})"
+        else:
+            fix = "Start afresh in a new directory (or delete this step)"
         raise CorruptCheckpointError(
             f"cannot restore {'any checkpoint' if step is None else f'step={step}'} from "
             f"{self.directory}: {damaged}. Nothing was loaded. {fix}."
@@ -260,7 +267,8 @@ class CheckpointManager:
         Raises:
           FileNotFoundError: there is no checkpoint (or none at ``step``).
           CorruptCheckpointError: ``step``'s files, or every checkpoint's,
-            fail their checksums.
+            fail their checksums (in the latter case they are moved aside too,
+            so that a restarted run starts afresh rather than failing again).
           ValueError: ``template`` differs from the checkpoint in a leaf's path,
             shape or dtype (every such leaf is named).
         """
@@ -268,6 +276,8 @@ class CheckpointManager:
         verdict = self._choose(step) if jax.process_index() == 0 else None
         verdict = broadcast_object(verdict)
         if "error" in verdict:
+            if verdict["error"] == "corrupt" and step is None:
+                self._move_aside([s for s, _ in verdict["bad"]])
             self._raise(verdict)
         if verdict["bad"]:
             self._move_aside([s for s, _ in verdict["bad"]])

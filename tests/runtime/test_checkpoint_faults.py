@@ -104,14 +104,19 @@ def test_a_damaged_step_asked_for_by_number_is_an_error_naming_it(tmp_path):
         assert ckpt.restore(state_of(0), step=1).step == 1
 
 
-def test_when_every_step_is_damaged_nothing_is_loaded(tmp_path):
+def test_when_every_step_is_damaged_nothing_is_loaded_and_a_restart_starts_afresh(tmp_path):
     save_steps(tmp_path, [1])
     truncate(glob.glob(str(tmp_path / "1/state/ocdbt.process_0/d/*"))[0])
     with (
         fdp.CheckpointManager(tmp_path) as ckpt,
-        pytest.raises(fdp.CorruptCheckpointError, match=r"any checkpoint .*1: .*new directory"),
+        pytest.raises(
+            fdp.CorruptCheckpointError, match=r"any checkpoint .*1: .*from the beginning"
+        ),
     ):
         ckpt.restore(state_of(0))
+    with fdp.CheckpointManager(tmp_path) as ckpt:  # the next attempt: no checkpoint
+        assert ckpt.all_steps() == []
+    assert (tmp_path / "1.fdp-corrupt").is_dir()
 
 
 def test_a_template_that_differs_names_every_leaf(tmp_path):
