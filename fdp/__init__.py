@@ -43,7 +43,9 @@ from fdp.runtime import local_world_size as local_world_size
 from fdp.runtime import process_count as process_count
 from fdp.runtime import process_index as process_index
 from fdp.runtime._checkpoint import CheckpointManager as CheckpointManager
+from fdp.runtime._checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from fdp.runtime._checkpoint import Restored as Restored
+from fdp.runtime._preemption import reached_preemption as reached_preemption
 from fdp.step._accumulate import Accumulated as Accumulated
 from fdp.step._accumulate import GradAccumulator as GradAccumulator
 from fdp.step._accumulate import grad_accumulator as grad_accumulator
@@ -64,6 +66,7 @@ __all__ = [
     "BucketRow",
     "CheckpointManager",
     "CollectiveStats",
+    "CorruptCheckpointError",
     "DATA_AXIS",
     "HOST_AXES",
     "DDPFunction",
@@ -106,6 +109,7 @@ __all__ = [
     "plan_buckets",
     "process_count",
     "process_index",
+    "reached_preemption",
     "reduce_gradients",
     "replicate",
     "runtime",

@@ -157,6 +157,13 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _onto(x: Any, sharding: NamedSharding) -> Any:
+    """``x`` moved onto ``sharding`` if it is a ``jax.Array`` placed anywhere else."""
+    if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(sharding, x.ndim):
+        return jax.device_put(x, sharding)
+    return x
+
+
 def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     """Places a pytree replicated on every device of ``mesh``.
 
@@ -188,6 +195,9 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     mesh = data_mesh() if mesh is None else mesh
     sharding = NamedSharding(mesh, P())
     if jax.process_count() == 1:
+        # Leaves may sit anywhere (one device, another mesh, host memory): a jitted
+        # copy rejects committed inputs on other devices, device_put moves any.
+        tree = jax.tree.map(lambda x: _onto(x, sharding), tree)
         # Never alias the caller's buffers: a donating step would delete them.
         # device_put reuses a buffer already on a mesh device (even with
         # may_alias=False in jax 0.10.2); a jitted copy never does.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Literal
 
@@ -82,16 +81,88 @@ class DistributedSampler:
             )
         self.permutation = permutation
         self.epoch = 0
-        n, r = self.dataset_size, self.num_replicas
-        if drop_last and n % r:
-            self.num_samples = math.ceil((n - r) / r)  # torch's formula: floor(n / r)
-        else:
-            self.num_samples = math.ceil(n / r)
-        self.total_size = self.num_samples * r
+        self._start = 0  # examples of this epoch's order already read (set_position)
+
+    @property
+    def num_samples(self) -> int:
+        """Indices this reader gets in the current epoch (what is left of it, after a resume)."""
+        return self.total_size // self.num_replicas
+
+    @property
+    def total_size(self) -> int:
+        """Indices all readers get together in the current epoch, padding included."""
+        # torch's sizes: floor(n / r) * r with drop_last, else ceil(n / r) * r.
+        n, r = max(self.dataset_size - self._start, 0), self.num_replicas
+        return (n // r) * r if self.drop_last else -(-n // r) * r
 
     def set_epoch(self, epoch: int) -> None:
         """Chooses the epoch, and so the shuffled order (call it before each epoch)."""
         self.epoch = check_int(epoch, "epoch", low=0)
+        self._start = 0
+
+    def position(self, batches: int, batch_size: int) -> dict[str, int]:
+        """Where the epoch stands after every reader read ``batches`` batches of ``batch_size``.
+
+        A JSON-serialisable value to save with a checkpoint
+        (``ckpt.save(step, state, data_position=sampler.position(b, bs))``) and
+        to give back to :meth:`set_position` when resuming, with any number of
+        readers: it counts the examples of the epoch's order that all readers
+        read together, so a run resumed on another world size reads each
+        remaining example exactly once.
+
+        Args:
+          batches: batches each reader has read since :meth:`set_epoch` (or
+            :meth:`set_position`).
+          batch_size: indices per batch on each reader.
+
+        Returns:
+          ``{"epoch", "consumed", "dataset_size", "seed"}``.
+
+        Example:
+          >>> s = DistributedSampler(12, num_replicas=2, rank=0, shuffle=False)
+          >>> s.position(2, 2)  # both readers read 2 batches of 2
+          {'epoch': 0, 'consumed': 8, 'dataset_size': 12, 'seed': 0}
+          >>> one = DistributedSampler(12, num_replicas=1, rank=0, shuffle=False)
+          >>> one.set_position(s.position(2, 2))
+          >>> list(one)  # the rest of the epoch, on one reader
+          [8, 9, 10, 11]
+        """
+        batches = check_int(batches, "batches", low=0)
+        batch_size = check_int(batch_size, "batch_size", low=1)
+        consumed = self._start + batches * batch_size * self.num_replicas
+        return {
+            "epoch": self.epoch,
+            "consumed": min(consumed, self.dataset_size),
+            "dataset_size": self.dataset_size,
+            "seed": self.seed,
+        }
+
+    def set_position(self, position: dict[str, int]) -> None:
+        """Resumes inside an epoch at a :meth:`position` (saved with any number of readers).
+
+        The rest of that epoch's order is shared among this sampler's readers
+        by torch's rules (every ``num_replicas``-th index, padded or cut to an
+        equal share); the next :meth:`set_epoch` starts a whole epoch again.
+
+        Raises:
+          ValueError: ``position`` is not a :meth:`position` value, or was
+            saved for another dataset size or seed (the order would differ).
+        """
+        keys = {"epoch", "consumed", "dataset_size", "seed"}
+        if not isinstance(position, dict) or not keys <= position.keys():
+            raise ValueError(
+                f"position must be a value of DistributedSampler.position() with keys "
+                f"{sorted(keys)}, got position={position!r}."
+            )
+        for key in ("dataset_size", "seed"):
+            if position[key] != getattr(self, key):
+                raise ValueError(
+                    f"position was saved with {key}={position[key]}, but this sampler has "
+                    f"{key}={getattr(self, key)}: the epoch's order would differ, so examples "
+                    f"would be skipped or repeated. Build the sampler with {key}={position[key]}."
+                )
+        self.epoch = check_int(position["epoch"], "position['epoch']", low=0)
+        self._start = check_int(position["consumed"], "position['consumed']", low=0)
 
     def indices(self) -> np.ndarray:
         """This reader's indices for the current epoch, as an ``int64`` array."""
@@ -102,12 +173,13 @@ class DistributedSampler:
             order = np.random.default_rng(self.seed + self.epoch).permutation(n)
         else:
             order = np.arange(n)
+        order, total = order[self._start :], self.total_size
         if self.drop_last:
-            order = order[: self.total_size]
-        elif self.total_size > n and n:
+            order = order[:total]
+        elif total > len(order) and len(order):
             # Pad by repeating from the start, as many times as needed (torch).
-            order = np.resize(order, self.total_size)
-        return order[self.rank : self.total_size : self.num_replicas].astype(np.int64)
+            order = np.resize(order, total)
+        return order[self.rank : total : self.num_replicas].astype(np.int64)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices().tolist())

@@ -13,6 +13,9 @@ the script configures them. It
   thread pool sizes itself from the core count;
 - runs the script as ``python script.py`` would (``__main__``, ``sys.argv``,
   ``sys.path[0]``);
+- ends a worker that exits with status 0 after ``fdp.reached_preemption``
+  returned True at once, as its checkpoint is saved and JAX's teardown would
+  spend seconds of the agent's grace period;
 - on an uncaught exception, prints the traceback, writes it to
   ``FDP_ERROR_FILE`` for the agent's failure summary (torchrun's error file),
   and exits at once with status 1, skipping ``atexit``: JAX's shutdown barrier
@@ -114,6 +117,16 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _preempted() -> bool:
+    """Whether the script stopped for a preemption (``fdp.reached_preemption`` said so).
+
+    Its checkpoint is written by then; the teardown of JAX and the libraries at
+    exit takes seconds (more with ``jax.distributed``) of the agent's grace period.
+    """
+    module = sys.modules.get("fdp.runtime._preemption")
+    return bool(getattr(module, "reached", False))
+
+
 def main(argv: list[str]) -> None:
     """Runs ``argv`` (``script args...`` or ``-m module args...``) as the worker."""
     _die_with_agent()
@@ -131,6 +144,8 @@ def main(argv: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as e:
         if e.code is None or e.code == 0:
+            if _preempted():
+                _exit_now(0)
             raise
         code = e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int):

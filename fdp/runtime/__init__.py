@@ -17,6 +17,7 @@ from fdp.runtime._init import local_rank as local_rank
 from fdp.runtime._init import local_world_size as local_world_size
 from fdp.runtime._init import process_count as process_count
 from fdp.runtime._init import process_index as process_index
+from fdp.runtime._preemption import reached_preemption as reached_preemption
 from fdp.runtime._serialize import SerializationError as SerializationError
 from fdp.runtime._store import Store as Store
 
@@ -34,4 +35,5 @@ __all__ = [
     "monitored_barrier",
     "process_count",
     "process_index",
+    "reached_preemption",
 ]

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
+
+from fdp.runtime import _ckpt_files, _ckpt_tree
+from fdp.runtime._host import barrier, broadcast_object
+
+_log = logging.getLogger("fdp.checkpoint")
 
 
 class Restored(NamedTuple):
     """What :meth:`CheckpointManager.restore` returns.
 
     Attributes:
-      state: the train state, placed like the template's leaves.
+      state: the train state, placed like the template's leaves (for NNX
+        objects: the same objects, updated in place).
       data_position: the JSON value saved with it (``{}`` if none was).
       step: the step it was saved at.
     """
@@ -22,6 +30,10 @@ class Restored(NamedTuple):
     state: Any
     data_position: Any
     step: int
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint's files do not match the checksums written when it was saved."""
 
 
 def _abstract(leaf: Any) -> Any:
@@ -35,21 +47,38 @@ def _abstract(leaf: Any) -> Any:
 class CheckpointManager:
     """Keeps the last ``max_to_keep`` checkpoints of a train state in ``directory``.
 
-    A thin layer over ``orbax.checkpoint.CheckpointManager``. A checkpoint holds
+    A layer over ``orbax.checkpoint.CheckpointManager``. A checkpoint holds
     the whole state pytree (parameters, optimizer state, step, and any other
     fields such as a comm hook's state) and a JSON ``data_position`` (where the
     data loader was, e.g. ``{"epoch": 2, "batch": 5}``), so that a resumed run
-    continues exactly where the saved one was. With several processes every
-    process must call :meth:`save` and :meth:`restore` with its view of the same
-    global state; Orbax writes each array's shards from the processes that hold
-    them and finalises the checkpoint once all have written, so a checkpoint
-    that a killed run left half-written is never listed or restored.
+    continues exactly where the saved one was. For Flax NNX pass the objects
+    themselves, ``save(step, (model, optimizer))`` and
+    ``restore((model, optimizer))``: both are saved whole (parameters,
+    buffers, RNG state, optimizer state, comm hook state) and restored in place.
+
+    A save is never dropped: saving a step at or below the newest one in the
+    directory raises unless ``overwrite=True`` (then that step and every newer
+    one are deleted first: a run restarted from scratch replaces the old run's
+    future). Orbax writes each checkpoint to a temporary directory and renames it
+    when every process has written its part, so a writer killed half-way
+    leaves nothing that is listed; fdp then records every file's SHA-256, and
+    :meth:`restore` checks them. A damaged checkpoint (a flipped bit, a cut
+    file, a deleted file, a save that never finished) is never loaded: the
+    newest intact one is, with a warning naming the bad one, which is moved
+    aside to ``<step>.fdp-corrupt``.
+
+    With several processes every process must call :meth:`save` and
+    :meth:`restore` with its view of the same global state; Orbax writes each
+    array's shards from the processes that hold them. Process 0 writes and
+    checks the checksums, so the directory must be one every process sees.
 
     Args:
       directory: where checkpoints go (one subdirectory per step).
       max_to_keep: how many of the newest checkpoints to keep (``None``: all).
-      async_save: write in a background thread (call
-        :meth:`wait_until_finished` before relying on the files).
+      async_save: write in a background thread (the default): :meth:`save`
+        returns once the arrays are copied to host memory, and training goes on
+        while they are written. The next save, :meth:`restore`,
+        :meth:`all_steps` and :meth:`close` wait for it.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, fdp
@@ -62,37 +91,59 @@ class CheckpointManager:
       >>> restored = ckpt.restore(state)
       >>> restored.step, restored.data_position, restored.state["w"].sharding.is_fully_replicated
       (3, {'epoch': 0, 'batch': 3}, True)
+      >>> ckpt.close()
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = False
+        self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, async_save: bool = True
     ):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
                 f"max_to_keep must be a positive int or None, got max_to_keep={max_to_keep!r}."
             )
         self.directory = os.path.abspath(os.fspath(directory))
+        self.async_save = bool(async_save)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=self.async_save,
             # Half-written checkpoints of a killed run are removed on the next start.
             cleanup_tmp_directories=True,
         )
+        # Handlers named up front, so that the saved tree's metadata can be read
+        # before a restore (to name the leaves a template gets wrong).
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "data_position": ocp.JsonCheckpointHandler(),
+        }
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data_position")
+            self.directory, options=options, item_handlers=handlers
         )
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
 
-    def save(self, step: int, state: Any, *, data_position: Any = None) -> None:
+    def step_dir(self, step: int) -> str:
+        """The directory of checkpoint ``step``."""
+        return os.path.join(self.directory, str(step))
+
+    def save(
+        self, step: int, state: Any, *, data_position: Any = None, overwrite: bool = False
+    ) -> None:
         """Saves ``state`` (and ``data_position``) as checkpoint ``step``.
 
         Args:
-          step: the step number; must be new in this directory.
-          state: the train state pytree (``jax.Array`` s, numpy arrays, scalars).
-          data_position: a JSON-serialisable value saying where the data was.
+          step: the step number; must be above every step in the directory
+            (unless ``overwrite``).
+          state: the train state pytree (``jax.Array`` s, numpy arrays,
+            scalars), or Flax NNX objects such as ``(model, optimizer)``.
+          data_position: a JSON-serialisable value saying where the data was
+            (e.g. :meth:`fdp.DistributedSampler.position`).
+          overwrite: delete checkpoint ``step`` and every newer one first.
 
         Raises:
           TypeError: ``data_position`` is not JSON-serialisable.
-          ValueError: ``step`` is not a non-negative int.
+          ValueError: ``step`` is not a non-negative int; ``step`` is not above
+            the newest saved step and ``overwrite`` is False; ``state`` is an
+            NNX optimizer's state without its model.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got step={step!r}.")
@@ -101,20 +152,113 @@ class CheckpointManager:
             json.dumps(position)
         except TypeError as e:
             raise TypeError(f"data_position must be JSON-serialisable: {e}.") from None
-        self._manager.save(
+        _ckpt_tree.refuse_optimizer_alone(state)
+        tree = _ckpt_tree.to_tree(state) if _ckpt_tree.has_nnx(state) else state
+        self._finish_writes()
+        in_the_way = [s for s in self._manager.all_steps() if s >= step]
+        if in_the_way and not overwrite:
+            raise ValueError(
+                f"cannot save step={step}: the newest checkpoint in {self.directory} is step "
+                f"{max(in_the_way)}, and a save at or below it would be lost or replace it. "
+                "Resume from it (ckpt.restore(...)) and save later steps, save to a new "
+                f"directory, or pass overwrite=True to delete steps {sorted(in_the_way)} first."
+            )
+        for s in sorted(in_the_way):
+            self._manager.delete(s)
+        saved = self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data_position=ocp.args.JsonSave(position)
+                state=ocp.args.StandardSave(tree), data_position=ocp.args.JsonSave(position)
             ),
+            force=True,
+        )
+        if not saved:  # never expected with force=True; a dropped save must not be silent
+            raise RuntimeError(f"orbax did not save step={step} in {self.directory}.")
+        if self.async_save:
+            self._writer = threading.Thread(
+                target=self._write_manifest_when_done, args=(step,), daemon=True
+            )
+            self._writer.start()
+        else:
+            self._write_manifest(step)
+
+    def _write_manifest(self, step: int) -> None:
+        if jax.process_index() == 0:
+            _ckpt_files.write_manifest(self.step_dir(step))
+
+    def _write_manifest_when_done(self, step: int) -> None:
+        try:
+            self._manager.wait_until_finished()
+            self._write_manifest(step)
+        except BaseException as e:  # raised in the caller's thread by _finish_writes
+            self._writer_error = e
+
+    def _finish_writes(self) -> None:
+        """Waits for a background save and its checksums; raises what went wrong in it."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        self._manager.wait_until_finished()
+        error, self._writer_error = self._writer_error, None
+        if error is not None:
+            raise RuntimeError(f"a background checkpoint save failed: {error}") from error
+
+    def _choose(self, step: int | None) -> dict[str, Any]:
+        """Process 0's verdict: the step to restore, the damaged newer ones, or an error."""
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if step is not None:
+            if step not in steps:
+                return {"error": "missing", "step": step, "steps": sorted(steps)}
+            why = _ckpt_files.check(self.step_dir(step))
+            if why is None:
+                return {"step": step, "bad": []}
+            return {"error": "corrupt", "step": step, "bad": [[step, why]], "steps": sorted(steps)}
+        bad = []
+        for s in steps:
+            why = _ckpt_files.check(self.step_dir(s))
+            if why is None:
+                return {"step": s, "bad": bad}
+            bad.append([s, why])
+        return {"error": "corrupt" if bad else "missing", "step": None, "bad": bad, "steps": []}
+
+    def _raise(self, verdict: dict[str, Any]) -> None:
+        step, steps = verdict["step"], verdict["steps"]
+        if verdict["error"] == "missing":
+            which = "no checkpoint" if step is None else f"no checkpoint for step={step}"
+            raise FileNotFoundError(f"{which} in {self.directory} (steps there: {steps}).")
+        damaged = "; ".join(f"{self.step_dir(s)}: {why}" for s, why in verdict["bad"])
+        others = [s for s in steps if s != step]
+        if step is None:
+            # Moved aside, so that a restarted run (--max-restarts) starts afresh
+            # instead of failing here again on every attempt.
+            fix = (
+                f"They were moved to <step>{_ckpt_files.CORRUPT_SUFFIX}, so the next start "
+                "finds no checkpoint and trains from the beginning; to keep them out of "
+                "the way of this run, start it in a new directory"
+            )
+        elif others:
+            fix = f"Restore an older step (step=... of {others})"
+        else:
+            fix = "Start afresh in a new directory (or delete this step)"
+        raise CorruptCheckpointError(
+            f"cannot restore {'any checkpoint' if step is None else f'step={step}'} from "
+            f"{self.directory}: {damaged}. Nothing was loaded. {fix}."
         )
 
     def restore(self, template: Any, *, step: int | None = None) -> Restored:
-        """Restores checkpoint ``step`` (default: the latest) into ``template``'s structure.
+        """Restores checkpoint ``step`` (default: the newest intact one) into ``template``.
+
+        Without ``step``, a newer checkpoint whose files fail their checksums
+        (or whose save never finished) is skipped with a warning naming it, and
+        moved aside to ``<step>.fdp-corrupt`` so that the resumed run can save
+        that step again.
 
         Args:
           template: a state with the saved structure, shapes and dtypes, for
-            example the freshly initialised and replicated one. Each restored
-            ``jax.Array`` gets the sharding of the template's leaf.
+            example the freshly initialised and replicated one; each restored
+            ``jax.Array`` gets the sharding of the template's leaf (so a state
+            saved on 8 devices restores onto a mesh of 4). For NNX, the objects
+            saved, e.g. ``(model, optimizer)``: they are updated in place.
           step: the checkpoint to restore.
 
         Returns:
@@ -122,38 +266,88 @@ class CheckpointManager:
 
         Raises:
           FileNotFoundError: there is no checkpoint (or none at ``step``).
+          CorruptCheckpointError: ``step``'s files, or every checkpoint's,
+            fail their checksums (in the latter case they are moved aside too,
+            so that a restarted run starts afresh rather than failing again).
+          ValueError: ``template`` differs from the checkpoint in a leaf's path,
+            shape or dtype (every such leaf is named).
         """
-        if step is None:
-            step = self.latest_step()
-        if step is None or step not in self.all_steps():
-            which = "no checkpoint" if step is None else f"no checkpoint for step={step}"
-            raise FileNotFoundError(
-                f"{which} in {self.directory} (steps there: {self.all_steps()})."
+        self._finish_writes()
+        verdict = self._choose(step) if jax.process_index() == 0 else None
+        verdict = broadcast_object(verdict)
+        if "error" in verdict:
+            if verdict["error"] == "corrupt" and step is None:
+                self._move_aside([s for s, _ in verdict["bad"]])
+            self._raise(verdict)
+        if verdict["bad"]:
+            self._move_aside([s for s, _ in verdict["bad"]])
+            for s, why in verdict["bad"]:
+                _log.warning(
+                    "fdp.CheckpointManager: checkpoint step=%d in %s is damaged (%s); moved it "
+                    "to %s and restoring step=%d instead.",
+                    s,
+                    self.directory,
+                    why,
+                    self.step_dir(s) + _ckpt_files.CORRUPT_SUFFIX,
+                    verdict["step"],
+                )
+        return self._restore(template, verdict["step"])
+
+    def _move_aside(self, steps: list[int]) -> None:
+        if jax.process_index() == 0:
+            for s in steps:
+                _ckpt_files.move_aside(self.step_dir(s))
+        barrier()
+        self._manager.reload()
+
+    def _restore(self, template: Any, step: int) -> Restored:
+        is_nnx = _ckpt_tree.has_nnx(template)
+        tree = _ckpt_tree.to_tree(template) if is_nnx else template
+        saved = self._manager.item_metadata(step)["state"]
+        problems = _ckpt_tree.differences(tree, saved)
+        if problems:
+            raise ValueError(_ckpt_tree.mismatch_message(problems, step, self.step_dir(step)))
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(jax.tree.map(_abstract, tree)),
+                    data_position=ocp.args.JsonRestore(),
+                ),
             )
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(jax.tree.map(_abstract, template)),
-                data_position=ocp.args.JsonRestore(),
-            ),
-        )
-        return Restored(out["state"], out["data_position"], step)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RuntimeError(
+                f"restoring checkpoint step={step} from {self.step_dir(step)} failed although "
+                f"its files match their checksums: {first}. Restore an older step "
+                f"(steps there: {self.all_steps()}) or report this."
+            ) from e
+        state = out["state"]
+        if is_nnx:
+            _ckpt_tree.update_nnx(template, state)
+            state = template
+        return Restored(state, out["data_position"], step)
 
     def latest_step(self) -> int | None:
-        """The newest saved step, or ``None`` if there is none."""
+        """The newest saved step, or ``None`` if there is none (waits for a background save)."""
+        self._finish_writes()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        """Every saved step, oldest first."""
+        """Every saved step, oldest first (waits for a background save)."""
+        self._finish_writes()
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
-        """Blocks until a background save (``async_save=True``) is written."""
-        self._manager.wait_until_finished()
+        """Blocks until a background save is written and its checksums recorded."""
+        self._finish_writes()
 
     def close(self) -> None:
         """Finishes pending saves and releases Orbax's resources."""
-        self._manager.close()
+        try:
+            self._finish_writes()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

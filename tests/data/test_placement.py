@@ -61,3 +61,28 @@ def test_shard_batch_rejects_a_mesh_without_the_axis():
         fdp.shard_batch(jnp.zeros(8), fdp.data_mesh(axis_name="dp"))
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
         fdp.shard_batch(jnp.zeros(8), "data")
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["one device", "another device", "a smaller mesh", "host numpy", "sharded"],
+)
+def test_replicate_accepts_leaves_placed_anywhere(where):
+    # Restored checkpoint leaves of a fresh (unplaced) template sit on device 0.
+    devices = jax.devices()
+    x = jnp.arange(16.0)
+    placed = {
+        "one device": lambda: jax.device_put(x, devices[0]),
+        "another device": lambda: jax.device_put(x, devices[5]),
+        "a smaller mesh": lambda: fdp.replicate(x, fdp.data_mesh(devices[:4])),
+        "host numpy": lambda: np.arange(16.0, dtype=np.float32),
+        "sharded": lambda: jax.device_put(
+            x, jax.sharding.NamedSharding(fdp.data_mesh(), jax.sharding.PartitionSpec("data"))
+        ),
+    }[where]()
+    out = fdp.replicate({"w": placed, "k": jax.device_put(jax.random.key(1), devices[0])})
+    assert out["w"].sharding.is_fully_replicated and len(out["w"].addressable_shards) == 8
+    np.testing.assert_array_equal(out["w"], np.arange(16.0))
+    assert out["k"].sharding.is_fully_replicated
+    if isinstance(placed, jax.Array):
+        assert not placed.is_deleted()  # a copy: donating `out` leaves the input intact

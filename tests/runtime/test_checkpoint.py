@@ -154,3 +154,24 @@ def test_async_save(tmp_path):
 def test_bad_arguments_are_named(tmp_path, call, error, message):
     with fdp.CheckpointManager(tmp_path) as ckpt, pytest.raises(error, match=message):
         call(ckpt, {"w": jnp.zeros(1)})
+
+
+def test_a_state_saved_on_8_devices_restores_onto_4_and_trains_on(tmp_path):
+    """World size 8 -> 4: replicated leaves are read onto the template's mesh."""
+    batch = make_data(0, 16)
+    state = make_state("mlp", "adam")
+    loss = cross_entropy(state.apply_fn)
+    big = fdp.replicate(state)
+    big, _ = fdp.train_step(loss)(big, fdp.shard_batch(batch))
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, big)
+        mesh = fdp.data_mesh(jax.devices()[:4])
+        small = ckpt.restore(fdp.replicate(make_state("mlp", "adam"), mesh)).state
+    assert small.params["Dense_0"]["kernel"].sharding.mesh.devices.size == 4
+    assert_same(small.params, fdp.replicate(big.params, mesh))
+    step = fdp.train_step(loss, mesh=mesh)
+    small, _ = step(small, fdp.shard_batch(make_data(1, 16), mesh))
+    big, _ = fdp.train_step(loss)(big, fdp.shard_batch(make_data(1, 16)))
+    np.testing.assert_allclose(
+        small.params["Dense_0"]["kernel"], big.params["Dense_0"]["kernel"], rtol=1e-5, atol=1e-6
+    )

@@ -74,7 +74,11 @@ if args.zero_stage:
     state = step_fn.init(state)  # sharded before a restore, so orbax reads only each shard
 
 start = 0
-ckpt = fdp.CheckpointManager(args.ckpt_dir, max_to_keep=2) if args.ckpt_dir else None
+# Synchronous saves: the kill test expects the save of step 4 to be on disk when rank 1
+# kills itself after step 5 (a background save may still be in flight then, and lost).
+ckpt = (
+    fdp.CheckpointManager(args.ckpt_dir, max_to_keep=2, async_save=False) if args.ckpt_dir else None
+)
 if ckpt is not None and ckpt.latest_step() is not None:
     state, position, start = ckpt.restore(state)
     assert position["epoch"] * steps_per_epoch + position["batch"] == start, position

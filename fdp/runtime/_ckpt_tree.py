@@ -1,0 +1,136 @@
+"""What a checkpoint holds: NNX objects as state trees; templates checked leaf by leaf."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+# Top-level keys of ``nnx.state(optimizer)`` in flax 0.12 (plus fdp's comm hook state).
+_OPTIMIZER_KEYS = frozenset({"opt_state", "step", "fdp_comm_state"})
+_SHOWN = 8  # differences listed in an error
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, nnx.Pytree)
+
+
+def has_nnx(state: Any) -> bool:
+    """Whether ``state`` is, or holds, NNX objects (a model, an optimizer)."""
+    return any(_is_node(x) for x in jax.tree.leaves(state, is_leaf=_is_node))
+
+
+def refuse_optimizer_alone(state: Any) -> None:
+    """Raises if ``state`` would save an NNX optimizer's state without its model.
+
+    In flax 0.12 ``nnx.Optimizer`` no longer holds the model, so
+    ``nnx.state(optimizer)`` is the optimizer state and step only: a run
+    resumed from it trains on from its freshly initialised parameters.
+    """
+    fix = (
+        "Save the model with it: ckpt.save(step, (model, optimizer)), and restore with "
+        "ckpt.restore((model, optimizer)), which updates both in place."
+    )
+    nodes = [x for x in jax.tree.leaves(state, is_leaf=_is_node) if _is_node(x)]
+    if nodes and all(isinstance(x, nnx.Optimizer) for x in nodes):
+        raise ValueError(
+            "state holds an nnx.Optimizer but no model: in flax 0.12 an optimizer's state is "
+            "its moments and step only, so a run resumed from it would train on from stale "
+            f"parameters. {fix}"
+        )
+    if isinstance(state, Mapping) and state and "opt_state" in state:
+        keys = {str(k) for k in state}
+        if keys <= _OPTIMIZER_KEYS:
+            raise ValueError(
+                f"state looks like nnx.state(optimizer) (keys {sorted(keys)}), which in flax "
+                "0.12 leaves the model's parameters and buffers out, so a run resumed from it "
+                f"would train on from stale parameters. {fix}"
+            )
+
+
+def to_tree(state: Any) -> Any:
+    """``state`` with every NNX object replaced by its whole ``nnx.State`` (a pytree of arrays)."""
+    return jax.tree.map(lambda x: nnx.state(x) if _is_node(x) else x, state, is_leaf=_is_node)
+
+
+def update_nnx(state: Any, restored: Any) -> None:
+    """Writes ``restored`` (in the trees :func:`to_tree` made) into ``state``'s NNX objects."""
+    nodes = jax.tree.leaves(state, is_leaf=_is_node)
+    values = jax.tree.structure(state, is_leaf=_is_node).flatten_up_to(restored)
+    for node, value in zip(nodes, values, strict=True):
+        if _is_node(node):
+            nnx.update(node, value)
+
+
+def _name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _path(path: tuple) -> str:
+    return "/".join(_name(k) for k in path) or "<root>"
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    return {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+    """The shape and dtype the leaf has on disk (a PRNG key is stored as its key data)."""
+    if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        return None
+    if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        return tuple(data.shape), np.dtype(data.dtype)
+    return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
+def _describe(shape_dtype: tuple[tuple[int, ...], np.dtype]) -> str:
+    shape, dtype = shape_dtype
+    return f"{dtype.name}{list(shape)}"
+
+
+def differences(template: Any, saved: Any) -> list[str]:
+    """The leaves where ``template`` and the saved tree metadata disagree, one line each."""
+    want, have = _flat(template), _flat(saved)
+    out = []
+    for path in sorted(want.keys() | have.keys()):
+        if path not in have:
+            out.append(f"{path}: in the template, not in the checkpoint")
+            continue
+        if path not in want:
+            out.append(f"{path}: in the checkpoint, not in the template")
+            continue
+        t = _shape_dtype(want[path])
+        meta = have[path]
+        shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+        if t is None or shape is None or dtype is None:
+            continue
+        s = (tuple(shape), np.dtype(dtype))
+        if t[0] != s[0]:
+            out.append(f"{path}: saved {_describe(s)}, template {_describe(t)} (shape differs)")
+        elif t[1] != s[1]:
+            lossy = "a lossy cast" if np.dtype(t[1]).itemsize < s[1].itemsize else "a cast"
+            out.append(
+                f"{path}: saved {_describe(s)}, template {_describe(t)} (dtype differs: "
+                f"restoring would be {lossy})"
+            )
+    return out
+
+
+def mismatch_message(problems: list[str], step: int, step_dir: str) -> str:
+    """The error for a template that does not match checkpoint ``step``."""
+    shown = "\n  ".join(problems[:_SHOWN])
+    more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    return (
+        f"the template passed to restore does not match checkpoint step={step} in {step_dir}; "
+        f"{len(problems)} leaf/leaves differ:\n  {shown}{more}\nBuild the template the way "
+        "the saved state was built (the same model, optimizer, dtypes and comm hook; for NNX "
+        "with a stateful hook, call step.init(model, optimizer) before restoring), and cast "
+        "after restoring if you want other dtypes."
+    )

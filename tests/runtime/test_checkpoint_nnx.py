@@ -1,0 +1,115 @@
+"""Saving and resuming a Flax NNX run: the whole run comes back, bit for bit."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _models import make_data
+from flax import nnx
+
+import fdp
+from fdp import hooks
+
+
+class Net(nnx.Module):
+    """Parameters, BatchNorm buffers and a Dropout random stream: all must survive."""
+
+    def __init__(self, seed):
+        rngs = nnx.Rngs(seed)
+        self.l1 = nnx.Linear(64, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.l2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.norm(self.l1(x.reshape(x.shape[0], -1))))
+        return self.l2(self.drop(x))
+
+
+def loss_fn(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+
+BATCHES = [make_data(seed, 16) for seed in range(6)]
+
+
+def fresh(seed, hook):
+    model = Net(seed)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    return model, opt, fdp.nnx_train_step(loss_fn, comm_hook=hook)
+
+
+def everything(model, opt):
+    return jax.tree.map(
+        lambda x: np.asarray(
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        ),
+        nnx.to_pure_dict(nnx.state((model, opt))),
+    )
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "powersgd"])
+def test_resuming_an_nnx_run_is_bit_identical(tmp_path, hook):
+    make_hook = lambda: (  # noqa: E731
+        hooks.powersgd(matrix_approximation_rank=1, start_powersgd_iter=2)
+        if hook == "powersgd"
+        else None
+    )
+    model, opt, step = fresh(0, make_hook())
+    losses = []
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        for i, b in enumerate(BATCHES):
+            losses.append(float(step(model, opt, fdp.shard_batch(b))["loss"]))
+            if i == 2:  # saved in the background while the run goes on (donating its arrays)
+                ckpt.save(3, (model, opt), data_position={"batch": 3})
+    # A new process: other seeds, nothing placed yet. step.init first gives the
+    # optimizer the comm hook's state (a stateful hook), so that it is restored too.
+    model2, opt2, step2 = fresh(7, make_hook())
+    if hook == "powersgd":
+        step2.init(model2, opt2)
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        restored = ckpt.restore((model2, opt2))
+    assert restored.state[0] is model2 and restored.data_position == {"batch": 3}
+    resumed = [float(step2(model2, opt2, fdp.shard_batch(b))["loss"]) for b in BATCHES[3:]]
+    assert resumed == losses[3:]
+    # Every array (parameters, moments, batch statistics, RNG counts, hook state)
+    # is the one of the run that never stopped.
+    jax.tree.map(np.testing.assert_array_equal, everything(model2, opt2), everything(model, opt))
+
+
+def test_restoring_into_a_fresh_unplaced_model_then_stepping_works(tmp_path):
+    model, opt, step = fresh(0, None)
+    step(model, opt, fdp.shard_batch(BATCHES[0]))
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, (model, opt))
+        model2, opt2, step2 = fresh(3, None)  # leaves on device 0, as a new process has them
+        ckpt.restore((model2, opt2))
+    step2(model2, opt2, fdp.shard_batch(BATCHES[1]))
+    step(model, opt, fdp.shard_batch(BATCHES[1]))
+    jax.tree.map(np.testing.assert_array_equal, everything(model2, opt2), everything(model, opt))
+
+
+@pytest.mark.parametrize("what", ["nnx.state(optimizer)", "optimizer"])
+def test_a_save_that_leaves_the_model_out_is_refused(tmp_path, what):
+    _, opt, _ = fresh(0, None)
+    state = nnx.state(opt) if what == "nnx.state(optimizer)" else opt
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        with pytest.raises(
+            ValueError, match=r"stale parameters.*ckpt.save\(step, \(model, optimizer\)\)"
+        ):
+            ckpt.save(1, state)
+        assert ckpt.all_steps() == []
+
+
+def test_a_missing_comm_hook_state_is_named(tmp_path):
+    hook = hooks.powersgd(matrix_approximation_rank=1, start_powersgd_iter=2)
+    model, opt, step = fresh(0, hook)
+    step(model, opt, fdp.shard_batch(BATCHES[0]))
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, (model, opt))
+        model2, opt2, _ = fresh(0, hook)
+        with pytest.raises(
+            ValueError,
+            match=r"fdp_comm_state.*in the checkpoint, not in the template(.|\n)*step.init",
+        ):
+            ckpt.restore((model2, opt2))
