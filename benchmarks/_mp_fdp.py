@@ -34,7 +34,15 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 1)
 
 import optax  # noqa: E402
-from _mp_models import LR, init_params, jax_loss, make_batches, result_record  # noqa: E402
+from _mp_models import (  # noqa: E402
+    LR,
+    init_params,
+    jax_loss,
+    make_batches,
+    memory_mib,
+    minor_faults,
+    result_record,
+)
 from flax.training.train_state import TrainState  # noqa: E402
 
 import fdp  # noqa: E402
@@ -56,15 +64,19 @@ for i in range(args.warmup):
     state, metrics = step(state, batches[i % len(batches)])
     losses.append(float(metrics["loss"]))
 rounds = []
+faults = minor_faults()
 for _ in range(args.rounds):
     start = time.perf_counter()
     for i in range(args.steps):
         state, metrics = step(state, batches[i % len(batches)])
     jax.block_until_ready(state)
     rounds.append((time.perf_counter() - start) / args.steps)
+faults = (minor_faults() - faults) / (args.rounds * args.steps)
 if rank == 0:
     record = result_record("fdp", args, nproc, params, rounds, losses)
     record.update(
+        faults_per_step=faults,
+        **memory_mib(),
         layout=args.layout,
         resolved_layout=step.config.layout,
         comm_hook=args.comm_hook,
