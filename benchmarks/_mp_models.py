@@ -201,6 +201,14 @@ def torch_module(model: str, params: dict):
     return Transformer()
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process so far (all its threads)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
 def minor_faults() -> int:
     """Minor page faults of this process so far (each a 4 KiB page touched afresh)."""
     import resource

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _mp_models import (  # noqa: E402
     LR,
+    cpu_seconds,
     init_params,
     make_batches,
     memory_mib,
@@ -67,6 +68,7 @@ for i in range(args.warmup):
     losses.append(float(mean) / nproc)
 rounds = []
 faults = minor_faults()
+cpu = cpu_seconds()
 for _ in range(args.rounds):
     dist.barrier()
     start = time.perf_counter()
@@ -74,10 +76,13 @@ for _ in range(args.rounds):
         train_step(batches[i % len(batches)])
     rounds.append((time.perf_counter() - start) / args.steps)
 faults = (minor_faults() - faults) / (args.rounds * args.steps)
+user_s, sys_s = (b - a for a, b in zip(cpu, cpu_seconds(), strict=True))
 if rank == 0:
     record = result_record("torch", args, nproc, params, rounds, losses)
     record.update(
         faults_per_step=faults,
+        cpu_user_ms_per_step=1e3 * user_s / (args.rounds * args.steps),
+        cpu_sys_ms_per_step=1e3 * sys_s / (args.rounds * args.steps),
         **memory_mib(),
         torch=torch.__version__,
         threads=torch.get_num_threads(),

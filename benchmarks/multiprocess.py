@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                     "paired_ratio_median": statistics.median(paired),
                     "fdp_faults_per_step": median(model, nproc, fw, "faults_per_step"),
                     "torch_faults_per_step": median(model, nproc, "torch", "faults_per_step"),
+                    "fdp_cpu_sys_ms": median(model, nproc, fw, "cpu_sys_ms_per_step"),
+                    "torch_cpu_sys_ms": median(model, nproc, "torch", "cpu_sys_ms_per_step"),
+                    "fdp_cpu_user_ms": median(model, nproc, fw, "cpu_user_ms_per_step"),
+                    "torch_cpu_user_ms": median(model, nproc, "torch", "cpu_user_ms_per_step"),
                     "fdp_rss_mib": median(model, nproc, fw, "rss_mib"),
                     "torch_rss_mib": median(model, nproc, "torch", "rss_mib"),
                     "fdp_runs": [r["examples_per_s"] for r in results[(model, nproc, fw)]],
@@ -204,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'model':<12}{'procs':>6}{'variant':>13}{'fdp ex/s':>10}{'DDP ex/s':>10}"
         f"{'fdp/DDP':>9}{'paired':>8}{'fdp scal.':>10}{'DDP scal.':>10}"
-        f"{'fdp flt/st':>11}{'DDP flt/st':>11}{'fdp RSS':>9}{'DDP RSS':>9}"
+        f"{'fdp flt/st':>11}{'DDP flt/st':>11}{'fdp sys ms':>11}{'DDP sys ms':>11}"
+        f"{'fdp RSS':>9}{'DDP RSS':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.get('fdp_scaling', float('nan')):>10.3f}"
             f"{row.get('torch_scaling', float('nan')):>10.3f}"
             f"{row['fdp_faults_per_step']:>11.0f}{row['torch_faults_per_step']:>11.0f}"
+            f"{row['fdp_cpu_sys_ms']:>11.1f}{row['torch_cpu_sys_ms']:>11.1f}"
             f"{row['fdp_rss_mib']:>9.1f}{row['torch_rss_mib']:>9.1f}"
         )
     for row in rows:
