@@ -88,9 +88,10 @@ def init(
         below 1 GiB, one arena), so that XLA:CPU's per-step buffers stop
         faulting their pages in again every step; on CPU processes this makes
         the gloo all-reduce markedly faster, at the cost of keeping the peak
-        host working set resident. ``None`` reads ``FDP_MALLOC_TUNING`` (``0``
-        turns it off; on by default). Does nothing, with a debug log, where the
-        C library is not glibc.
+        host working set resident. ``None`` reads ``FDP_MALLOC_TUNING``: ``0``
+        turns it off, ``1`` asks for it in one process too; unset, it is on
+        with several processes. Does nothing, with a debug log, where the C
+        library is not glibc.
 
     Raises:
       ValueError: variables or arguments are malformed, contradictory or
@@ -133,10 +134,10 @@ def init(
         )
     _LOCAL.update(local_rank=settings.local_rank, local_world_size=settings.local_world_size)
     tune = _memory.wanted(tune_malloc, os.environ)
+    if tune or (tune is None and settings.multi_process):
+        _memory.tune_malloc()
     if not settings.multi_process:
         return
-    if tune:
-        _memory.tune_malloc()
     if config_value("jax_cpu_collectives_implementation") in (None, "none"):
         # Without it, CPU computations that span processes fail to compile.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

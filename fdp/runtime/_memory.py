@@ -13,7 +13,8 @@ for large blocks (``M_MMAP_MAX=0``), no trimming below 1 GiB of free heap top
 (``M_TRIM_THRESHOLD``), and one arena (``M_ARENA_MAX=1``) so that the threads of
 XLA's pool and gloo reuse the same freed blocks. The cost is resident memory: the
 process keeps its peak working set mapped. ``fdp.init`` calls it in multi-process
-runs unless ``FDP_MALLOC_TUNING=0`` (or ``init(tune_malloc=False)``) says otherwise.
+runs unless ``FDP_MALLOC_TUNING=0`` (or ``init(tune_malloc=False)``) says otherwise,
+and in one process too when ``FDP_MALLOC_TUNING=1`` (or ``tune_malloc=True``) asks.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ _ON = ("1", "true", "yes", "on")
 applied: dict[str, int] = {}
 
 
-def wanted(argument: bool | None, environ: Mapping[str, str]) -> bool:
-    """Whether to tune: the argument if given, else ``FDP_MALLOC_TUNING`` (default on).
+def wanted(argument: bool | None, environ: Mapping[str, str]) -> bool | None:
+    """Whether to tune: the argument if given, else ``FDP_MALLOC_TUNING``.
+
+    Returns:
+      ``True`` (asked for: tune, even in one process), ``False`` (never), or
+      ``None`` (nothing said: tune when the run has several processes).
 
     Raises:
       ValueError: ``FDP_MALLOC_TUNING`` is neither a yes nor a no.
@@ -48,7 +53,9 @@ def wanted(argument: bool | None, environ: Mapping[str, str]) -> bool:
     if argument is not None:
         return bool(argument)
     value = environ.get(ENV_VAR, "").strip().lower()
-    if value in ("", *_ON):
+    if not value:
+        return None
+    if value in _ON:
         return True
     if value in _OFF:
         return False

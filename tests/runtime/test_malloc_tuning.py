@@ -12,10 +12,10 @@ TWO = ["--nproc-per-node", "2"]
 @pytest.mark.parametrize(
     ("argument", "env", "expected"),
     [
-        (None, None, True),  # on by default
+        (None, None, None),  # nothing said: on with several processes
         (None, "0", False),
         (None, "off", False),
-        (None, "1", True),
+        (None, "1", True),  # asked for: on in one process too
         (True, "0", True),  # the argument wins
         (False, None, False),
     ],
@@ -30,13 +30,21 @@ def test_a_malformed_variable_is_named():
         _memory.wanted(None, {"FDP_MALLOC_TUNING": "maybe"})
 
 
-def test_one_process_leaves_malloc_alone(monkeypatch):
-    """fdp.init with one process and no variables does nothing, malloc included."""
+@pytest.mark.parametrize(
+    ("argument", "env", "calls"), [(None, None, 0), (True, None, 1), (None, "1", 1)]
+)
+def test_one_process_tunes_only_when_asked(monkeypatch, argument, env, calls):
+    """fdp.init with one process does nothing, malloc included, unless asked to tune."""
     import fdp
 
-    monkeypatch.setattr(_memory, "applied", {})
-    fdp.init()
-    assert _memory.applied == {}
+    made = []
+    monkeypatch.setattr(_memory, "tune_malloc", lambda: made.append(1))
+    if env is None:
+        monkeypatch.delenv(_memory.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(_memory.ENV_VAR, env)
+    fdp.init(tune_malloc=argument)
+    assert len(made) == calls
 
 
 def load(path):
