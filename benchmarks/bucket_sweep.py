@@ -16,7 +16,7 @@ Needs matplotlib (``pip install -e ".[benchmarks]"``) and, for the DDP line, PyT
 The plot shows each cap's median (line) and every run (dots). With ``--auto`` fdp also
 runs with ``bucket_cap_mb="auto"`` (``fdp.tune`` at the first step), interleaved with
 the fixed caps; the table compares its step time with the best and the default cap, and
-the plot marks the cap it chose (star).
+the plot marks, for each run, the cap it chose at that run's step time (stars).
 """
 
 from __future__ import annotations
@@ -148,10 +148,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             )
     for r in rows:
         if r["bucket_cap_mb"] == "auto":
-            # fdp.tune's choice: at the cap it chose, at its own measured step time.
+            # fdp.tune's choice in each run: at the cap it chose, at that run's step time.
             ax.scatter(
-                [statistics.median(r["chosen_caps"])],
-                [r["median_step_ms"]],
+                r["chosen_caps"],
+                r["step_ms"],
                 marker="*",
                 s=220,
                 color="black",
