@@ -19,7 +19,7 @@ parser.add_argument("--batch", type=int, default=64, help="examples per process 
 parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--warmup", type=int, default=3)
-parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+parser.add_argument("--bucket-cap-mb", default="25.0", help='MiB, or "auto" (fdp.tune)')
 parser.add_argument("--layout", default="auto")
 parser.add_argument(
     "--comm-hook",
@@ -34,7 +34,16 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 1)
 
 import optax  # noqa: E402
-from _mp_models import LR, init_params, jax_loss, make_batches, result_record  # noqa: E402
+from _mp_models import (  # noqa: E402
+    LR,
+    cpu_seconds,
+    init_params,
+    jax_loss,
+    make_batches,
+    memory_mib,
+    minor_faults,
+    result_record,
+)
 from flax.training.train_state import TrainState  # noqa: E402
 
 import fdp  # noqa: E402
@@ -43,30 +52,50 @@ fdp.init(initialization_timeout=120)
 rank, nproc = fdp.process_index(), fdp.process_count()
 params = init_params(args.model)
 state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR)))
+cap = args.bucket_cap_mb if args.bucket_cap_mb == "auto" else float(args.bucket_cap_mb)
 step = fdp.train_step(
     jax_loss(args.model),
-    bucket_cap_mb=args.bucket_cap_mb,
+    bucket_cap_mb=cap,
     layout=args.layout,
     comm_hook=args.comm_hook,
 )
 batches = [fdp.shard_batch(b) for b in make_batches(args.model, args.batch, 4, 100 + rank)]
 
 losses = []
+tune_start = time.perf_counter()
 for i in range(args.warmup):
     state, metrics = step(state, batches[i % len(batches)])
+    if i == 0:
+        # With "auto", the first call tunes (and compiles every candidate).
+        first_call_s = time.perf_counter() - tune_start
     losses.append(float(metrics["loss"]))
 rounds = []
+faults = minor_faults()
+cpu = cpu_seconds()
 for _ in range(args.rounds):
     start = time.perf_counter()
     for i in range(args.steps):
         state, metrics = step(state, batches[i % len(batches)])
     jax.block_until_ready(state)
     rounds.append((time.perf_counter() - start) / args.steps)
+faults = (minor_faults() - faults) / (args.rounds * args.steps)
+user_s, sys_s = (b - a for a, b in zip(cpu, cpu_seconds(), strict=True))
 if rank == 0:
     record = result_record("fdp", args, nproc, params, rounds, losses)
     record.update(
+        faults_per_step=faults,
+        cpu_user_ms_per_step=1e3 * user_s / (args.rounds * args.steps),
+        cpu_sys_ms_per_step=1e3 * sys_s / (args.rounds * args.steps),
+        **memory_mib(),
         layout=args.layout,
         resolved_layout=step.config.layout,
+        chosen_bucket_cap_mb=step.config.bucket_cap_mb,
+        first_call_s=first_call_s,
+        tuned_step_s=(
+            {f"{c}/{lay}": s for (c, lay), s in step.tuned.step_s.items()}
+            if cap == "auto"
+            else None
+        ),
         comm_hook=args.comm_hook,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         threads=os.environ.get("OMP_NUM_THREADS", ""),

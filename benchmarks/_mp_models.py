@@ -201,6 +201,34 @@ def torch_module(model: str, params: dict):
     return Transformer()
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process so far (all its threads)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (each a 4 KiB page touched afresh)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def memory_mib() -> dict[str, float]:
+    """This process's resident set now and at its peak (``/proc/self/status``), in MiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[{"VmRSS": "rss_mib", "VmHWM": "peak_rss_mib"}[key]] = (
+                    int(value.split()[0]) / 1024
+                )
+    return out
+
+
 def result_record(framework: str, args, nproc: int, params: dict, rounds: list, losses: list):
     """What a worker of ``multiprocess.py`` reports (rank 0 writes it as JSON)."""
     import os

@@ -25,7 +25,16 @@ args = parser.parse_args()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _mp_models import LR, init_params, make_batches, result_record, torch_module  # noqa: E402
+from _mp_models import (  # noqa: E402
+    LR,
+    cpu_seconds,
+    init_params,
+    make_batches,
+    memory_mib,
+    minor_faults,
+    result_record,
+    torch_module,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 dist.init_process_group("gloo")
@@ -58,15 +67,26 @@ for i in range(args.warmup):
     dist.all_reduce(mean)
     losses.append(float(mean) / nproc)
 rounds = []
+faults = minor_faults()
+cpu = cpu_seconds()
 for _ in range(args.rounds):
     dist.barrier()
     start = time.perf_counter()
     for i in range(args.steps):
         train_step(batches[i % len(batches)])
     rounds.append((time.perf_counter() - start) / args.steps)
+faults = (minor_faults() - faults) / (args.rounds * args.steps)
+user_s, sys_s = (b - a for a, b in zip(cpu, cpu_seconds(), strict=True))
 if rank == 0:
     record = result_record("torch", args, nproc, params, rounds, losses)
-    record.update(torch=torch.__version__, threads=torch.get_num_threads())
+    record.update(
+        faults_per_step=faults,
+        cpu_user_ms_per_step=1e3 * user_s / (args.rounds * args.steps),
+        cpu_sys_ms_per_step=1e3 * sys_s / (args.rounds * args.steps),
+        **memory_mib(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
     with open(args.out, "w") as f:
         json.dump(record, f)
 dist.destroy_process_group()

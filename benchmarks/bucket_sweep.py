@@ -13,7 +13,10 @@ Needs matplotlib (``pip install -e ".[benchmarks]"``) and, for the DDP line, PyT
     python benchmarks/bucket_sweep.py --json benchmarks/results/bucket_sweep.json \\
         --png docs/img/bucket_sweep.png
 
-The plot shows each cap's median (line) and every run (dots).
+The plot shows each cap's median (line) and every run (dots). With ``--auto`` fdp also
+runs with ``bucket_cap_mb="auto"`` (``fdp.tune`` at the first step), interleaved with
+the fixed caps; the table compares its step time with the best and the default cap, and
+the plot marks, for each run, the cap it chose at that run's step time (stars).
 """
 
 from __future__ import annotations
@@ -37,20 +40,25 @@ LABELS = {"fdp": "fdp", "torch": "PyTorch DDP"}
 def sweep(args: argparse.Namespace) -> dict:
     """(framework, cap) -> per-repeat results of one multiprocess run each."""
     frameworks = args.frameworks.split(",")
-    caps = [float(c) for c in args.caps.split(",")]
-    runs: dict[tuple[str, float], list[dict]] = {}
+    caps: list = [float(c) for c in args.caps.split(",")]
+    if args.auto:
+        caps.append("auto")
+    runs: dict[tuple[str, float | str], list[dict]] = {}
     for r in range(args.repeats):
         # Alternate the order of caps and frameworks between repeats, so drifts in the
         # machine's speed spread over all of them.
         order = caps if r % 2 == 0 else caps[::-1]
         for cap in order:
             for fw in frameworks if r % 2 == 0 else frameworks[::-1]:
+                if cap == "auto" and fw != "fdp":
+                    continue
                 run_args = copy.copy(args)
                 run_args.bucket_cap_mb = cap
                 res = run_one(fw, args.model, args.nproc, run_args)
                 runs.setdefault((fw, cap), []).append(res)
                 ms = 1e3 * res["step_s"]
-                print(f"{fw:<6} cap {cap:>7.2f} MB  {ms:8.2f} ms/step", flush=True)
+                chosen = res.get("chosen_bucket_cap_mb", cap)
+                print(f"{fw:<6} cap {cap!s:>7} MB  {ms:8.2f} ms/step (cap {chosen})", flush=True)
     return runs
 
 
@@ -65,33 +73,54 @@ def bucket_count(model: str, cap: float) -> int:
 
 def summarise(runs: dict, args: argparse.Namespace) -> list[dict]:
     rows = []
-    for (fw, cap), results in sorted(runs.items()):
+    for (fw, cap), results in sorted(runs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         step_ms = [1e3 * r["step_s"] for r in results]
+        chosen = [r.get("chosen_bucket_cap_mb", cap) for r in results]
         rows.append(
             {
                 "framework": fw,
                 "bucket_cap_mb": cap,
+                "chosen_caps": chosen,
+                "chosen_layouts": [r.get("resolved_layout") for r in results],
+                "first_call_s": [r.get("first_call_s") for r in results],
                 "median_step_ms": statistics.median(step_ms),
                 "step_ms": step_ms,
-                "buckets": bucket_count(args.model, cap),
+                "buckets": bucket_count(args.model, statistics.median(chosen)),
             }
         )
     for fw in {row["framework"] for row in rows}:
-        best = min(row["median_step_ms"] for row in rows if row["framework"] == fw)
+        fixed = [r for r in rows if r["framework"] == fw and r["bucket_cap_mb"] != "auto"]
+        best = min(row["median_step_ms"] for row in fixed)
+        default = [r["median_step_ms"] for r in fixed if r["bucket_cap_mb"] == 25.0]
         for row in rows:
             if row["framework"] == fw:
                 row["ratio_to_best"] = row["median_step_ms"] / best
+                if default:
+                    row["ratio_to_default"] = row["median_step_ms"] / default[0]
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'framework':<12}{'cap MB':>8}{'buckets':>9}{'step ms':>10}{'/ best':>8}"
+    header = (
+        f"{'framework':<12}{'cap MB':>8}{'buckets':>9}{'step ms':>10}{'/ best':>8}"
+        f"{'/ default':>11}  chosen"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
+        auto = row["bucket_cap_mb"] == "auto"
+        chosen = (
+            ", ".join(
+                f"{c:g}/{lay}"
+                for c, lay in zip(row["chosen_caps"], row["chosen_layouts"], strict=True)
+            )
+            if auto
+            else ""
+        )
         print(
-            f"{LABELS[row['framework']]:<12}{row['bucket_cap_mb']:>8.2f}{row['buckets']:>9}"
+            f"{LABELS[row['framework']]:<12}{row['bucket_cap_mb']!s:>8}{row['buckets']:>9}"
             f"{row['median_step_ms']:>10.2f}{row['ratio_to_best']:>8.3f}"
+            f"{row.get('ratio_to_default', float('nan')):>11.3f}  {chosen}"
         )
 
 
@@ -103,7 +132,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for fw in sorted({row["framework"] for row in rows}):
-        mine = sorted((r for r in rows if r["framework"] == fw), key=lambda r: r["bucket_cap_mb"])
+        mine = sorted(
+            (r for r in rows if r["framework"] == fw and r["bucket_cap_mb"] != "auto"),
+            key=lambda r: r["bucket_cap_mb"],
+        )
         caps = [r["bucket_cap_mb"] for r in mine]
         (line,) = ax.plot(caps, [r["median_step_ms"] for r in mine], marker="o", label=LABELS[fw])
         for r in mine:  # every repeat, to show the spread
@@ -113,6 +145,18 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                 s=10,
                 alpha=0.4,
                 color=line.get_color(),
+            )
+    for r in rows:
+        if r["bucket_cap_mb"] == "auto":
+            # fdp.tune's choice in each run: at the cap it chose, at that run's step time.
+            ax.scatter(
+                r["chosen_caps"],
+                r["step_ms"],
+                marker="*",
+                s=220,
+                color="black",
+                zorder=5,
+                label='fdp bucket_cap_mb="auto"',
             )
     ax.set_xscale("log")
     ax.set_xlabel("bucket_cap_mb (MB)")
@@ -137,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--mlp-batch", type=int, default=64)
     parser.add_argument("--transformer-batch", type=int, default=16)
+    parser.add_argument("--auto", action="store_true", help='also run fdp with "auto"')
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
     parser.add_argument("--png")

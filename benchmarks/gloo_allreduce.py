@@ -34,23 +34,34 @@ sys.path.insert(0, HERE)
 from _progress import progress  # noqa: E402
 from multiprocess import clean_env, free_port  # noqa: E402
 
+_LAST_FAULTS = [0.0]  # page faults per call of the last _time, after its warm-up
+
 
 def _time(fn, reps: int) -> list[float]:
     for _ in range(3):
         fn()
+    before = _faults()
     out = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         out.append(time.perf_counter() - start)
+    _LAST_FAULTS[0] = (_faults() - before) / reps
     return out
+
+
+def _faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def worker(framework: str, sizes_mb: list[float], reps: int, out: str) -> None:
     """Runs in each process: times one all-reduce of every size; rank 0 writes JSON."""
     import numpy as np
 
-    times = {}
+    times: dict = {}
+    faults: dict = {}
     if framework == "jax":
         import jax
         from jax.sharding import PartitionSpec as P
@@ -60,17 +71,24 @@ def worker(framework: str, sizes_mb: list[float], reps: int, out: str) -> None:
         jax.config.update("jax_num_cpu_devices", 1)
         fdp.init(initialization_timeout=120)
         rank, mesh = fdp.process_index(), fdp.data_mesh()
-        psum = jax.jit(
-            jax.shard_map(
-                lambda v: jax.lax.psum(v, "data"),
-                mesh=mesh,
-                in_specs=P("data"),
-                out_specs=P("data"),
-            )
+        body = jax.shard_map(
+            lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data")
         )
+        psum = jax.jit(body)
         for mb in sizes_mb:
             x = fdp.shard_batch(np.ones((1, int(mb * 2**20) // 4), np.float32), mesh)
             times[mb] = _time(lambda x=x: jax.block_until_ready(psum(x)), reps)
+            faults[mb] = _LAST_FAULTS[0]
+        # The largest all-reduce with its input donated: XLA may then give the
+        # all-reduce one buffer for input and output (in place, as torch's).
+        donated = jax.jit(body, donate_argnums=0)
+        fresh = [x.copy() for _ in range(reps + 3)]
+        jax.block_until_ready(fresh)
+        times["donated"] = _time(lambda: jax.block_until_ready(donated(fresh.pop())), reps)
+        faults["donated"] = _LAST_FAULTS[0]
+        times["donated_hlo_aliases"] = [
+            float("may-alias" in donated.lower(x.copy()).compile().as_text().split("\n", 1)[0])
+        ]
         a = np.random.default_rng(0).normal(size=(1, 1024, 1024)).astype(np.float32) / 32
         a = fdp.shard_batch(a, mesh)
         for name, fn in _overlap_programs(mesh).items():
@@ -84,10 +102,11 @@ def worker(framework: str, sizes_mb: list[float], reps: int, out: str) -> None:
         for mb in sizes_mb:
             t = torch.ones(int(mb * 2**20) // 4)
             times[mb] = _time(lambda t=t: dist.all_reduce(t), reps)
+            faults[mb] = _LAST_FAULTS[0]
         dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({str(mb): ts for mb, ts in times.items()}, f)
+            json.dump({**{str(mb): ts for mb, ts in times.items()}, "faults": faults}, f)
 
 
 def _overlap_programs(mesh):
@@ -115,17 +134,19 @@ def _overlap_programs(mesh):
 def run(framework: str, args: argparse.Namespace) -> dict[float, list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        me = [os.path.abspath(__file__), "--worker", framework, "--sizes", args.sizes]
+        env = clean_env()
+        if framework == "jax-untuned":
+            env["FDP_MALLOC_TUNING"] = "0"  # glibc as it comes: fdp before issue 18
+        worker = "torch" if framework == "torch" else "jax"
+        me = [os.path.abspath(__file__), "--worker", worker, "--sizes", args.sizes]
         me += ["--reps", str(args.reps), "--out", out]
-        if framework == "jax":
+        if worker == "jax":
             cmd = [sys.executable, "-m", "fdp.launch", "--nproc-per-node", "2"]
             cmd += [*args.launch_args, *me]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
             cmd += ["--master-port", str(free_port()), *me]
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=False
-        )
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
         with open(out) as f:
@@ -160,29 +181,50 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, sizes, args.reps, args.out)
         return 0
 
-    runs: dict[str, dict[float, list[float]]] = {"jax": {}, "torch": {}}
+    frameworks = ("jax", "jax-untuned", "torch")
+    runs: dict[str, dict] = {fw: {} for fw in frameworks}
+    faults: dict[str, dict] = {fw: {} for fw in frameworks}
     for r in progress(range(args.repeats), "repeats"):
-        for fw in ("jax", "torch") if r % 2 == 0 else ("torch", "jax"):
-            for mb, ts in run(fw, args).items():
-                runs[fw].setdefault(mb, []).append(statistics.median(ts))
+        for fw in frameworks[r % 3 :] + frameworks[: r % 3]:
+            for key, ts in run(fw, args).items():
+                if key == "faults":
+                    for k, v in ts.items():
+                        faults[fw].setdefault(_key(k), []).append(v)
+                else:
+                    runs[fw].setdefault(key, []).append(statistics.median(ts))
     rows = []
-    for mb in sizes:
-        jax_ms = 1e3 * statistics.median(runs["jax"][mb])
-        torch_ms = 1e3 * statistics.median(runs["torch"][mb])
-        rows.append({"mib": mb, "jax_ms": jax_ms, "torch_ms": torch_ms, "ratio": jax_ms / torch_ms})
+    for mb in [*sizes, "donated"]:
+        row: dict = {"mib": mb}
+        for fw in frameworks:
+            if mb in runs[fw]:
+                row[f"{fw}_ms"] = 1e3 * statistics.median(runs[fw][mb])
+                row[f"{fw}_faults"] = statistics.median(faults[fw][mb])
+        rows.append(row)
     print(
-        f"\n2 processes x 1 CPU device, gloo, {platform.machine()} {os.cpu_count()} cores; "
-        f"median of {args.repeats} runs, each the median of {args.reps} all-reduces"
+        f"\n2 processes x 1 CPU device, gloo, {platform.machine()} {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.1f}; median of {args.repeats} runs, each the median of "
+        f"{args.reps} all-reduces; faults per all-reduce on rank 0 (donated: the largest "
+        "size with its input donated)"
     )
-    header = f"{'MiB':>6}{'JAX psum ms':>13}{'torch ms':>10}{'JAX/torch':>11}{'JAX GB/s':>10}"
+    header = (
+        f"{'MiB':>8}{'JAX ms':>9}{'untuned ms':>12}{'torch ms':>10}{'JAX/torch':>11}"
+        f"{'untuned/torch':>15}{'JAX flt':>9}{'untuned flt':>13}{'torch flt':>11}"
+    )
     print(header)
     print("-" * len(header))
+    largest = rows[len(sizes) - 1]
     for row in rows:
-        gbs = row["mib"] * 2**20 / (row["jax_ms"] / 1e3) / 1e9
+        torch_ms = row.get("torch_ms", largest["torch_ms"])
         print(
-            f"{row['mib']:>6g}{row['jax_ms']:>13.2f}{row['torch_ms']:>10.2f}"
-            f"{row['ratio']:>11.2f}{gbs:>10.2f}"
+            f"{row['mib']!s:>8}{row.get('jax_ms', float('nan')):>9.2f}"
+            f"{row.get('jax-untuned_ms', float('nan')):>12.2f}{torch_ms:>10.2f}"
+            f"{row.get('jax_ms', float('nan')) / torch_ms:>11.2f}"
+            f"{row.get('jax-untuned_ms', float('nan')) / torch_ms:>15.2f}"
+            f"{row.get('jax_faults', float('nan')):>9.0f}"
+            f"{row.get('jax-untuned_faults', float('nan')):>13.0f}"
+            f"{row.get('torch_faults', float('nan')):>11.0f}"
         )
+    print(f"donated program aliases its output to its input: {runs['jax']['donated_hlo_aliases']}")
     overlap = {k: 1e3 * statistics.median(runs["jax"][k]) for k in OVERLAP}
     overlap["hidden"] = overlap["matmuls"] + overlap["all-reduce"] - overlap["together"]
     print(
@@ -194,7 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(
-                {"meta": {"argv": sys.argv}, "rows": rows, "overlap_ms": overlap, "runs": runs},
+                {
+                    "meta": {"argv": sys.argv, "load_average": os.getloadavg()},
+                    "rows": rows,
+                    "overlap_ms": overlap,
+                    "runs": runs,
+                    "faults": faults,
+                },
                 f,
                 indent=1,
             )

@@ -61,7 +61,10 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
             out,
         ]
         env = clean_env()
-        if framework == "fdp":
+        if framework == "fdp-untuned":
+            # fdp before issue 18: glibc's allocator as it comes (no mallopt in fdp.init).
+            env["FDP_MALLOC_TUNING"] = "0"
+        if framework.startswith("fdp"):
             script = [os.path.join(HERE, "_mp_fdp.py"), *common, *args.fdp_args]
             if nproc == 1:
                 cmd = [sys.executable, *script]
@@ -127,78 +130,104 @@ def main(argv: list[str] | None = None) -> int:
         dest="launch_args",
         help="extra argument for fdp launch (repeatable)",
     )
+    parser.add_argument(
+        "--frameworks",
+        default="fdp,torch",
+        help="variants run in alternating order: fdp, fdp-untuned (FDP_MALLOC_TUNING=0), torch",
+    )
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.batch = {"mlp": args.mlp_batch, "transformer": args.transformer_batch}
+    frameworks = args.frameworks.split(",")
+    variants = [fw for fw in frameworks if fw != "torch"]
 
     results: dict = {}
     for model in args.models.split(","):
         for nproc in (int(n) for n in args.nprocs.split(",")):
             for r in range(args.repeats):
-                order = ("fdp", "torch") if r % 2 == 0 else ("torch", "fdp")
+                # Rotate the order so no variant always runs first (or after the same one).
+                order = frameworks[r % len(frameworks) :] + frameworks[: r % len(frameworks)]
                 for fw in order:
                     res = run_one(fw, model, nproc, args)
                     results.setdefault((model, nproc, fw), []).append(res)
                     print(
-                        f"{model:<12} {nproc} proc {fw:<5} {res['examples_per_s']:9.1f} ex/s",
+                        f"{model:<12} {nproc} proc {fw:<11} {res['examples_per_s']:9.1f} ex/s "
+                        f"{res.get('faults_per_step', float('nan')):9.0f} faults/step "
+                        f"rss {res.get('rss_mib', float('nan')):7.1f} MiB",
                         flush=True,
                     )
 
     rows = []
+
+    def median(model: str, nproc: int, fw: str, key: str) -> float:
+        return statistics.median(r.get(key, float("nan")) for r in results[(model, nproc, fw)])
+
     for model in args.models.split(","):
-        one = (
-            {
-                fw: statistics.median(r["examples_per_s"] for r in results[(model, 1, fw)])
-                for fw in ("fdp", "torch")
-            }
-            if (model, 1, "fdp") in results
-            else None
-        )
         for nproc in (int(n) for n in args.nprocs.split(",")):
-            eps = {
-                fw: statistics.median(r["examples_per_s"] for r in results[(model, nproc, fw)])
-                for fw in ("fdp", "torch")
-            }
-            row = {
-                "model": model,
-                "nproc": nproc,
-                "params": results[(model, nproc, "fdp")][0]["params"],
-                "fdp_examples_per_s": eps["fdp"],
-                "torch_examples_per_s": eps["torch"],
-                "ratio": eps["fdp"] / eps["torch"],
-                "fdp_runs": [r["examples_per_s"] for r in results[(model, nproc, "fdp")]],
-                "torch_runs": [r["examples_per_s"] for r in results[(model, nproc, "torch")]],
-                "first_losses": {
-                    fw: results[(model, nproc, fw)][0]["first_losses"] for fw in ("fdp", "torch")
-                },
-            }
-            if one:
-                for fw in ("fdp", "torch"):
-                    row[f"{fw}_scaling"] = eps[fw] / (nproc * one[fw])
-            rows.append(row)
+            for fw in variants:
+                eps = {f: median(model, nproc, f, "examples_per_s") for f in (fw, "torch")}
+                # Per-repeat ratios of runs made next to each other: less noisy than medians.
+                pairs = zip(
+                    results[(model, nproc, fw)], results[(model, nproc, "torch")], strict=True
+                )
+                paired = [a["examples_per_s"] / b["examples_per_s"] for a, b in pairs]
+                row = {
+                    "model": model,
+                    "nproc": nproc,
+                    "variant": fw,
+                    "params": results[(model, nproc, fw)][0]["params"],
+                    "fdp_examples_per_s": eps[fw],
+                    "torch_examples_per_s": eps["torch"],
+                    "ratio": eps[fw] / eps["torch"],
+                    "paired_ratio_median": statistics.median(paired),
+                    "fdp_faults_per_step": median(model, nproc, fw, "faults_per_step"),
+                    "torch_faults_per_step": median(model, nproc, "torch", "faults_per_step"),
+                    "fdp_cpu_sys_ms": median(model, nproc, fw, "cpu_sys_ms_per_step"),
+                    "torch_cpu_sys_ms": median(model, nproc, "torch", "cpu_sys_ms_per_step"),
+                    "fdp_cpu_user_ms": median(model, nproc, fw, "cpu_user_ms_per_step"),
+                    "torch_cpu_user_ms": median(model, nproc, "torch", "cpu_user_ms_per_step"),
+                    "fdp_rss_mib": median(model, nproc, fw, "rss_mib"),
+                    "torch_rss_mib": median(model, nproc, "torch", "rss_mib"),
+                    "fdp_runs": [r["examples_per_s"] for r in results[(model, nproc, fw)]],
+                    "torch_runs": [r["examples_per_s"] for r in results[(model, nproc, "torch")]],
+                    "first_losses": {
+                        f: results[(model, nproc, f)][0]["first_losses"] for f in (fw, "torch")
+                    },
+                }
+                if (model, 1, fw) in results:
+                    for f, key in ((fw, "fdp"), ("torch", "torch")):
+                        one = median(model, 1, f, "examples_per_s")
+                        row[f"{key}_scaling"] = eps[f] / (nproc * one)
+                rows.append(row)
 
     print(
         f"\n{platform.machine()}, {os.cpu_count()} cores; median of {args.repeats} runs, "
         f"each the median of {args.rounds} rounds x {args.steps} steps"
     )
     header = (
-        f"{'model':<12}{'procs':>6}{'params':>11}{'fdp ex/s':>10}{'DDP ex/s':>10}"
-        f"{'fdp/DDP':>9}{'fdp scaling':>13}{'DDP scaling':>13}"
+        f"{'model':<12}{'procs':>6}{'variant':>13}{'fdp ex/s':>10}{'DDP ex/s':>10}"
+        f"{'fdp/DDP':>9}{'paired':>8}{'fdp scal.':>10}{'DDP scal.':>10}"
+        f"{'fdp flt/st':>11}{'DDP flt/st':>11}{'fdp sys ms':>11}{'DDP sys ms':>11}"
+        f"{'fdp RSS':>9}{'DDP RSS':>9}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row['model']:<12}{row['nproc']:>6}{row['params']:>11,}"
+            f"{row['model']:<12}{row['nproc']:>6}{row['variant']:>13}"
             f"{row['fdp_examples_per_s']:>10.1f}{row['torch_examples_per_s']:>10.1f}"
-            f"{row['ratio']:>9.3f}{row.get('fdp_scaling', float('nan')):>13.3f}"
-            f"{row.get('torch_scaling', float('nan')):>13.3f}"
+            f"{row['ratio']:>9.3f}{row['paired_ratio_median']:>8.3f}"
+            f"{row.get('fdp_scaling', float('nan')):>10.3f}"
+            f"{row.get('torch_scaling', float('nan')):>10.3f}"
+            f"{row['fdp_faults_per_step']:>11.0f}{row['torch_faults_per_step']:>11.0f}"
+            f"{row['fdp_cpu_sys_ms']:>11.1f}{row['torch_cpu_sys_ms']:>11.1f}"
+            f"{row['fdp_rss_mib']:>9.1f}{row['torch_rss_mib']:>9.1f}"
         )
     for row in rows:
         print(
-            f"first losses {row['model']} x{row['nproc']}: fdp {row['first_losses']['fdp']} "
-            f"DDP {row['first_losses']['torch']}"
+            f"first losses {row['model']} x{row['nproc']} {row['variant']}: "
+            f"fdp {row['first_losses'][row['variant']]} DDP {row['first_losses']['torch']}"
         )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -209,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                         "argv": sys.argv,
                         "cores": os.cpu_count(),
                         "machine": platform.machine(),
+                        "load_average": os.getloadavg(),
                     },
                     "results": rows,
                 },

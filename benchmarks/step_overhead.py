@@ -17,6 +17,12 @@ With ``--accumulate K`` (default 4) it adds gradient accumulation over K
 micro-batches: ``fdp.train_step(accumulate_steps=K)`` against plain jit scanning over
 stacked micro-batches (where GSPMD keeps an all-reduce inside the loop).
 
+``nnx_mnist`` is Flax's official NNX MNIST example (``_nnx_mnist.py``: CNN with
+BatchNorm and dropout, SGD with momentum, batch 128): ``fdp.nnx_train_step`` against
+``nnx.jit`` with the batch sharded, and ``fdp-syncbn`` (global-batch statistics, as
+GSPMD computes them for jit). Besides wall time it reports the process CPU time per
+step (all threads), which other jobs on a shared machine disturb less.
+
 For each model it reports the median step time, the time over the baseline's (jit,
 or jit with accumulation; median of the per-round ratios), the all-reduces of the
 compiled program (count, how many sit inside a loop, bytes), and the compiled temp
@@ -37,6 +43,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _progress import progress
@@ -159,10 +166,80 @@ def analyse(step, state, batch) -> dict:
     }
 
 
+def run_nnx_mnist(args: argparse.Namespace) -> dict:
+    """The official NNX MNIST example: fdp's NNX step against nnx.jit + NamedSharding."""
+    import _nnx_mnist
+
+    import fdp
+
+    mesh = fdp.data_mesh()
+    variants = _nnx_mnist.build(mesh, args.nnx_dropout)
+    result: dict = {
+        "model": "nnx_mnist",
+        "params": 0,
+        "global_batch": _nnx_mnist.BATCH,
+        "dropout": args.nnx_dropout,
+        "variants": {},
+    }
+    for vname, (call, lower, state) in variants.items():
+        compiled = lower().compile()
+        stats = fdp.collective_stats(compiled)
+        result["variants"][vname] = {
+            "all_reduce_count": stats.count("all-reduce"),
+            "all_reduce_bytes": stats.nbytes("all-reduce"),
+            "loop_all_reduces": fdp.loop_collectives(compiled).count("all-reduce"),
+            "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+            "ops": hlo_op_counts(compiled.as_text()),
+        }
+        result["params"] = result["params"] or sum(
+            int(np.prod(x.shape)) for x in jax.tree.leaves(state()) if hasattr(x, "shape")
+        )
+        for _ in range(args.warmup):
+            call()
+        jax.block_until_ready(state())
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    names = list(variants)
+    for r in range(args.rounds):
+        for vname in names[r % len(names) :] + names[: r % len(names)]:
+            call, _, state = variants[vname]
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(args.steps):
+                call()
+            jax.block_until_ready(state())
+            times[vname].append((time.perf_counter() - t0) / args.steps)
+            cpu[vname].append((time.process_time() - c0) / args.steps)
+    for vname, v in result["variants"].items():
+        v["median_step_s"] = statistics.median(times[vname])
+        v["step_s"] = times[vname]
+        v["cpu_s"] = cpu[vname]
+        v["baseline"] = "jit"
+        v["ratio_to_baseline"] = statistics.median(
+            a / b for a, b in zip(times[vname], times["jit"], strict=True)
+        )
+        v["cpu_ratio_to_baseline"] = statistics.median(
+            a / b for a, b in zip(cpu[vname], cpu["jit"], strict=True)
+        )
+        v["temp_vs_baseline"] = v["temp_bytes"] / max(result["variants"]["jit"]["temp_bytes"], 1)
+    return result
+
+
+def hlo_op_counts(text: str) -> dict[str, int]:
+    """How many instructions of each opcode a compiled HLO module has."""
+    import collections
+    import re
+
+    ops = re.findall(r"^\s*(?:ROOT )?%\S+ = (?:\([^=]*?\)|\S+) ([a-z][\w\-]*)\(", text, re.M)
+    return dict(collections.Counter(ops))
+
+
 def run_model(name: str, args: argparse.Namespace) -> dict:
     from _models import BENCHES, param_count
 
     import fdp
+
+    if name == "nnx_mnist":
+        return run_nnx_mnist(args)
 
     bench = BENCHES[name]
     mesh = fdp.data_mesh()
@@ -220,6 +297,11 @@ def print_table(results: list[dict]) -> None:
                 f"{v['all_reduce_count']:>13}{v['loop_all_reduces']:>9}"
                 f"{v['all_reduce_bytes'] / 2**20:>9.2f}{v['temp_bytes'] / 2**20:>10.2f}"
                 f"{v['temp_vs_baseline']:>11.3f}"
+                + (
+                    f"  cpu/base {v['cpu_ratio_to_baseline']:.3f}"
+                    if "cpu_ratio_to_baseline" in v
+                    else ""
+                )
             )
 
 
@@ -237,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=4,
         help="also compare gradient accumulation over this many micro-batches (1: skip)",
+    )
+    parser.add_argument(
+        "--nnx-dropout", type=float, default=0.025, help="nnx_mnist's dropout rate (0: off)"
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

@@ -57,6 +57,8 @@ from fdp.step._nnx import NNXDataParallelStep as NNXDataParallelStep
 from fdp.step._nnx import nnx_train_step as nnx_train_step
 from fdp.step._state import PerDevice as PerDevice
 from fdp.step._state import TrainState as TrainState
+from fdp.step._tune import TuneResult as TuneResult
+from fdp.step._tune import tune as tune
 from fdp.step._usage import ParamUsage as ParamUsage
 from fdp.step._usage import find_unused_parameters as find_unused_parameters
 
@@ -82,6 +84,7 @@ __all__ = [
     "StatsSchedule",
     "SyncBatchNorm",
     "TrainState",
+    "TuneResult",
     "__version__",
     "bucket_report",
     "bucketing",
@@ -117,4 +120,5 @@ __all__ = [
     "shard_batch",
     "sync_batchnorm",
     "train_step",
+    "tune",
 ]

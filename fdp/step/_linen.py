@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -275,7 +275,7 @@ def train_step(
     *,
     mesh: Mesh | None = None,
     axis_name: AxisName = DATA_AXIS,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | Literal["auto"] = 25.0,
     first_bucket_cap_mb: float = 1.0,
     has_aux: bool = False,
     donate: bool = True,
@@ -313,7 +313,9 @@ def train_step(
         axes are left to the compiler, so parameters may be sharded over them.
       axis_name: the data axis of ``mesh``, or ``(outer, inner)``: two mesh
         axes taken together (a host x device mesh, :func:`fdp.data_mesh`).
-      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB).
+      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB), or ``"auto"``: at its first
+        call the step times a few caps and layouts (:func:`fdp.tune`) on copies
+        of the state, then runs the fastest (``step.tuned`` says which).
       first_bucket_cap_mb: cap of the first bucket (MiB).
       has_aux: ``loss_fn`` returns aux values, averaged over the data axis
         (integer and bool leaves summed) into ``metrics['aux']``.
@@ -401,4 +403,9 @@ def train_step(
       (1.0, [0.2, 0.2])
     """
     settings = {k: v for k, v in locals().items() if k not in ("loss_fn", "stats")}
+    if bucket_cap_mb == "auto":
+        from fdp.step._tune import AutoTunedStep
+
+        # It stands in for the step it builds at its first call (same calls, same attributes).
+        return cast(DataParallelStep, AutoTunedStep(loss_fn, train_step, **settings, stats=stats))
     return DataParallelStep(check_loss_fn(loss_fn), StepConfig(**settings), stats)

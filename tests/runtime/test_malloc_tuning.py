@@ -1,0 +1,74 @@
+"""fdp.init's host malloc tuning: the switch, and the same training with it on and off."""
+
+import numpy as np
+import pytest
+from _procs import launch
+
+from fdp.runtime import _memory
+
+TWO = ["--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize(
+    ("argument", "env", "expected"),
+    [
+        (None, None, None),  # nothing said: on with several processes
+        (None, "0", False),
+        (None, "off", False),
+        (None, "1", True),  # asked for: on in one process too
+        (True, "0", True),  # the argument wins
+        (False, None, False),
+    ],
+)
+def test_the_argument_and_the_variable_decide(argument, env, expected):
+    environ = {} if env is None else {_memory.ENV_VAR: env}
+    assert _memory.wanted(argument, environ) is expected
+
+
+def test_a_malformed_variable_is_named():
+    with pytest.raises(ValueError, match="FDP_MALLOC_TUNING='maybe' is not understood"):
+        _memory.wanted(None, {"FDP_MALLOC_TUNING": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("argument", "env", "calls"), [(None, None, 0), (True, None, 1), (None, "1", 1)]
+)
+def test_one_process_tunes_only_when_asked(monkeypatch, argument, env, calls):
+    """fdp.init with one process does nothing, malloc included, unless asked to tune."""
+    import fdp
+
+    made = []
+    monkeypatch.setattr(_memory, "tune_malloc", lambda: made.append(1))
+    if env is None:
+        monkeypatch.delenv(_memory.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(_memory.ENV_VAR, env)
+    fdp.init(tune_malloc=argument)
+    assert len(made) == calls
+
+
+def load(path):
+    with np.load(path) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k[4:]))]
+
+
+def test_two_processes_train_the_same_with_and_without_tuning(tmp_path, marker):
+    """The gloo reduction path with glibc tuned (the default) ends where today's does."""
+    runs = {}
+    for name, env in (("tuned", {}), ("untuned", {"FDP_MALLOC_TUNING": "0"})):
+        out = launch(TWO, "malloc_tuning.py", ["--out", tmp_path / f"{name}.npz"], marker, **env)
+        assert out.returncode == 0, out.output
+        runs[name] = (load(tmp_path / f"{name}.npz"), out.stdout)
+    tuned, untuned = runs["tuned"][0], runs["untuned"][0]
+    # Both processes of each run say what fdp.init did.
+    settings = "[('M_ARENA_MAX', 1), ('M_MMAP_MAX', 0), ('M_TRIM_THRESHOLD', 1073741824)]"
+    assert runs["tuned"][1].count(f"malloc settings: {settings}") == 2, runs["tuned"][1]
+    assert runs["untuned"][1].count("malloc settings: []") == 2, runs["untuned"][1]
+    assert len(tuned) == len(untuned) == 6
+    for i, (a, b) in enumerate(zip(tuned, untuned, strict=True)):
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"leaf {i}")
+    # Leaves in tree order: b, w of each layer. The first kernel moved from its start.
+    start = np.random.default_rng(0).normal(size=(256, 512)).astype(np.float32) / np.sqrt(256)
+    assert tuned[1].shape == start.shape
+    assert np.abs(tuned[1] - start).max() > 1e-3, "training moved nothing"

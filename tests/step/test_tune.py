@@ -1,0 +1,99 @@
+"""fdp.tune and fdp.train_step(bucket_cap_mb="auto"): choosing caps by timing the step.
+
+These tests check what tuning does (candidates, programs, cache, state untouched,
+the chosen step's numerics), never which candidate is fastest on this machine.
+"""
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+from _models import cross_entropy, make_data, make_state
+
+import fdp
+from fdp.step import _tune
+
+pytestmark = pytest.mark.usefixtures("fdp_debug")
+FAST = dict(steps=1, rounds=1, warmup=0)
+
+
+@pytest.fixture(autouse=True)
+def empty_cache(monkeypatch):
+    monkeypatch.setattr(_tune, "_CACHE", {})
+
+
+def setup():
+    state = fdp.replicate(make_state("mlp", "sgd"))
+    return state, cross_entropy(state.apply_fn), fdp.shard_batch(make_data(0, 16))
+
+
+def test_tune_picks_a_candidate_and_leaves_the_state_alone():
+    state, loss_fn, batch = setup()
+    before = jax.device_get(state.params)
+    result = fdp.tune(loss_fn, state, batch, caps=(0.001, 25.0), layouts=("flat",), **FAST)
+    chosen = (result.bucket_cap_mb, result.layout)
+    assert chosen in {(0.001, "flat"), (25.0, "flat"), (25.0, "auto")}
+    # The default is always a candidate, and every timed candidate has a time.
+    assert (25.0, "auto") in result.step_s
+    assert all(t > 0 for t in result.step_s.values())
+    # The caller's arrays were neither donated nor changed.
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state.params))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), before)
+    assert fdp.train_step(loss_fn, **result.kwargs()).config.bucket_cap_mb == result.bucket_cap_mb
+
+
+def test_equal_programs_are_timed_once():
+    """A tiny MLP fits one bucket at 25 and at 50 MiB: one program, timed once."""
+    state, loss_fn, batch = setup()
+    result = fdp.tune(loss_fn, state, batch, caps=(25.0, 50.0), layouts=("flat",), **FAST)
+    assert result.same_program[(50.0, "flat")] == (25.0, "flat")
+    assert (50.0, "flat") not in result.step_s
+
+
+def test_results_are_cached_and_logged_at_info(caplog):
+    caplog.set_level(logging.INFO, logger="fdp")
+    state, loss_fn, batch = setup()
+    first = fdp.tune(loss_fn, state, batch, caps=(1.0,), layouts=("auto",), **FAST)
+    again = fdp.tune(loss_fn, state, batch, caps=(1.0,), layouts=("auto",), **FAST)
+    assert not first.cached and again.cached
+    assert again._replace(cached=False) == first
+    chose = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fdp.tune: chose")]
+    assert len(chose) == 1 and f"bucket_cap_mb={first.bucket_cap_mb:g}" in chose[0]
+    # Another batch shape is another signature: tuned again.
+    other = fdp.shard_batch(make_data(0, 32))
+    assert not fdp.tune(loss_fn, state, other, caps=(1.0,), layouts=("auto",), **FAST).cached
+
+
+def test_a_margin_keeps_the_default_unless_beaten_clearly():
+    state, loss_fn, batch = setup()
+    # No candidate can beat the default by 100%: the default stays.
+    result = fdp.tune(loss_fn, state, batch, caps=(0.001,), layouts=("flat",), margin=1.0, **FAST)
+    assert (result.bucket_cap_mb, result.layout) == (25.0, "auto")
+
+
+def test_auto_step_tunes_at_its_first_call_and_trains_like_the_chosen_step(monkeypatch):
+    monkeypatch.setattr(_tune, "DEFAULT_CAPS", (1.0, 25.0))  # fewer programs to compile
+    state, loss_fn, batch = setup()
+    step = fdp.train_step(loss_fn, bucket_cap_mb="auto")
+    with pytest.raises(AttributeError, match="before its first call"):
+        _ = step.config
+    ref_state = jax.tree.map(lambda x: x.copy(), state)
+    new, metrics = step(state, batch)
+    assert step.tuned is not None and step.config.bucket_cap_mb == step.tuned.bucket_cap_mb
+    ref = fdp.train_step(loss_fn, **step.tuned.kwargs())
+    ref_new, ref_metrics = ref(ref_state, batch)
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        jax.device_get(new.params),
+        jax.device_get(ref_new.params),
+    )
+
+
+def test_bad_settings_are_named():
+    state, loss_fn, batch = setup()
+    with pytest.raises(ValueError, match="steps >= 1"):
+        fdp.tune(loss_fn, state, batch, steps=0)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        fdp.tune(loss_fn, state, batch, caps=())
