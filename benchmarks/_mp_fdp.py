@@ -26,6 +26,11 @@ parser.add_argument(
     default="allreduce",
     help="e.g. noop: the same step without gradient communication (headroom)",
 )
+parser.add_argument(
+    "--trivial-loss",
+    action="store_true",
+    help="a loss with (almost) no compute: the step's reduction and update alone",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -53,8 +58,15 @@ rank, nproc = fdp.process_index(), fdp.process_count()
 params = init_params(args.model)
 state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR)))
 cap = args.bucket_cap_mb if args.bucket_cap_mb == "auto" else float(args.bucket_cap_mb)
+
+
+def trivial_loss(params, batch):
+    del batch
+    return 1e-30 * sum(x.sum() for x in jax.tree.leaves(params))
+
+
 step = fdp.train_step(
-    jax_loss(args.model),
+    trivial_loss if args.trivial_loss else jax_loss(args.model),
     bucket_cap_mb=cap,
     layout=args.layout,
     comm_hook=args.comm_hook,
@@ -97,6 +109,7 @@ if rank == 0:
             else None
         ),
         comm_hook=args.comm_hook,
+        trivial_loss=args.trivial_loss,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         threads=os.environ.get("OMP_NUM_THREADS", ""),
     )
