@@ -123,5 +123,8 @@ def test_step_config_accepts_both_averagers_only():
     for avg in (hooks.PeriodicModelAverager(2), hooks.HierarchicalModelAverager({2: 8})):
         cfg = StepConfig(comm_hook="noop", model_averager=avg)
         assert hash(cfg) == hash(StepConfig(comm_hook="noop", model_averager=avg))
-    with pytest.raises(TypeError, match="PeriodicModelAverager, fdp.hooks.HierarchicalModelAverager or fdp.hooks.diloco"):
+    with pytest.raises(
+        TypeError,
+        match="PeriodicModelAverager, fdp.hooks.HierarchicalModelAverager or fdp.hooks.diloco",
+    ):
         StepConfig(model_averager=object())  # type: ignore[arg-type]
