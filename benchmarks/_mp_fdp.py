@@ -31,6 +31,12 @@ parser.add_argument(
     action="store_true",
     help="a loss with (almost) no compute: the step's reduction and update alone",
 )
+parser.add_argument(
+    "--fold-dots",
+    choices=("default", "on", "off"),
+    default="default",
+    help="fold_dots of the step (default: fdp's, on for CPU)",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -77,6 +83,7 @@ step = fdp.train_step(
     bucket_cap_mb=cap,
     layout=args.layout,
     comm_hook=args.comm_hook,
+    fold_dots={"default": None, "on": True, "off": False}[args.fold_dots],
 )
 batches = [fdp.shard_batch(b) for b in make_batches(args.model, args.batch, 4, 100 + rank)]
 
@@ -117,6 +124,7 @@ if rank == 0:
         ),
         comm_hook=args.comm_hook,
         trivial_loss=args.trivial_loss,
+        fold_dots=step.config.fold_dots,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         threads=os.environ.get("OMP_NUM_THREADS", ""),
     )

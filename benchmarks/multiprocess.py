@@ -66,6 +66,9 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
             env["FDP_MALLOC_TUNING"] = "0"
         if framework.startswith("fdp"):
             script = [os.path.join(HERE, "_mp_fdp.py"), *common, *args.fdp_args]
+            if framework == "fdp-unfolded":
+                # fdp before fold_dots: dense products of 3-D activations as written.
+                script += ["--fold-dots", "off"]
             if nproc == 1:
                 cmd = [sys.executable, *script]
             else:
@@ -133,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--frameworks",
         default="fdp,torch",
-        help="variants run in alternating order: fdp, fdp-untuned (FDP_MALLOC_TUNING=0), torch",
+        help=(
+            "variants run in alternating order: fdp, fdp-untuned (FDP_MALLOC_TUNING=0), "
+            "fdp-unfolded (fold_dots=False), torch"
+        ),
     )
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")

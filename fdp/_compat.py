@@ -177,6 +177,66 @@ def call_body(eqn: Any) -> Any:
     return None
 
 
+def is_literal(atom: Any) -> bool:
+    """Whether a jaxpr equation's input is a literal (a constant written in the jaxpr)."""
+    return isinstance(atom, jex.Literal)
+
+
+def literal_value(atom: Any) -> Any:
+    """The value of a jaxpr literal."""
+    return atom.val
+
+
+def inlinable_call(eqn: Any) -> Any | None:
+    """The closed jaxpr of a ``jit`` equation that can be evaluated in place, or None.
+
+    A nested ``jax.jit`` inside a traced function adds nothing to the enclosing
+    program but a call; one without shardings, layouts, donation or compiler
+    options of its own can be inlined. Anything else returns None.
+    """
+    if eqn.primitive.name not in ("jit", "pjit"):
+        return None
+    params = eqn.params
+    inner = params.get("jaxpr")
+    if not isinstance(inner, jex.ClosedJaxpr):
+        raise _broken(
+            "the body of a jit equation in a jaxpr",
+            f"its params are {sorted(params)} (expected 'jaxpr', a ClosedJaxpr)",
+        )
+    plain = (
+        not any(params.get("donated_invars", ()))
+        and not params.get("compiler_options_kvs")
+        and all(x is None for x in (*params.get("in_layouts", ()), *params.get("out_layouts", ())))
+        and all(
+            type(x).__name__ == "UnspecifiedValue"
+            for x in (*params.get("in_shardings", ()), *params.get("out_shardings", ()))
+        )
+    )
+    return inner if plain else None
+
+
+def bind_equation(eqn: Any, invals: list[Any]) -> list[Any]:
+    """Bind a jaxpr equation's primitive to ``invals`` as tracing did (``eval_jaxpr``'s step).
+
+    Returns:
+      The equation's outputs, as a list.
+    """
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if not isinstance(params, dict):
+        raise _broken(
+            "how a jaxpr equation is bound again",
+            f"Primitive.get_bind_params returned {type(params).__name__} (expected a dict "
+            "of parameters); fdp's fold_dots evaluates jaxprs with it",
+        )
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None) if ctx is not None else None
+    if manager is None:
+        raise _broken("a jaxpr equation's context", "the equation has no ctx.manager")
+    with manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 # -- the coordination-service client (host collectives and the store) ---------------------
 
 # The client methods fdp calls (names and signatures read from jaxlib 0.10.2).

@@ -94,6 +94,12 @@ class StepConfig:
         devices: ``True``, those whose leading size is the local micro-batch's
         (logits, per-example losses); ``False``, none; or a function
         ``fn(key_path) -> bool`` naming them (``jax.tree_util.keystr`` paths).
+      fold_dots: compute each dense product of an n-D activation (``x @ w``,
+        ``nn.Dense`` on ``[batch, seq, features]``) on the activation folded to
+        2-D, as ``torch.nn.Linear`` does (:mod:`fdp.step._fold`; XLA:CPU
+        transposes the gradient in memory otherwise). ``None`` (default): on
+        when the mesh's devices are CPUs. The values are the same products;
+        the weight gradients' summation order may differ (float rounding).
 
     Example:
       >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
@@ -127,6 +133,7 @@ class StepConfig:
     hierarchical: bool = False
     reduce_dtype: Any = None
     gather_aux: bool | Callable[[str], bool] = True
+    fold_dots: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_name, list):  # a list reads as the tuple it means
@@ -141,6 +148,8 @@ class StepConfig:
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
+        if self.fold_dots is not None and not isinstance(self.fold_dots, bool):
+            raise TypeError(f"fold_dots must be True, False or None, got {self.fold_dots!r}.")
         object.__setattr__(self, "comm_hook", resolve(self.comm_hook))
         averager = self.model_averager
         if averager is not None and not isinstance(averager, ModelAverager):
@@ -288,20 +297,21 @@ class StepConfig:
         """
         mesh = data_mesh(axis_name=self.axis_name) if self.mesh is None else self.mesh
         layout = self.layout
+        cpu = mesh.devices.flat[0].platform == "cpu"
         if layout == "auto":
-            cpu = mesh.devices.flat[0].platform == "cpu"
             layout = "flat" if cpu and jax.process_count() > 1 else "leaves"
-        if mesh is self.mesh and layout == self.layout:
+        fold = cpu if self.fold_dots is None else self.fold_dots
+        if mesh is self.mesh and layout == self.layout and fold is self.fold_dots:
             return self
-        return dataclasses.replace(self, mesh=mesh, layout=layout)  # checks again
+        return dataclasses.replace(self, mesh=mesh, layout=layout, fold_dots=fold)  # checks again
 
     @property
     def bound(self) -> bool:
         """Whether :meth:`bind` has nothing left to resolve."""
-        return self.mesh is not None and self.layout != "auto"
+        return self.mesh is not None and self.layout != "auto" and self.fold_dots is not None
 
     def _need_bound(self, what: str) -> Mesh:
-        if self.mesh is None or self.layout == "auto":
+        if not self.bound:
             raise RuntimeError(f"StepConfig.{what} needs a bound config: call .bind() first.")
         return self.mesh
 

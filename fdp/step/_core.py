@@ -23,6 +23,7 @@ from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_ove
 from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
 from fdp.step._config import StepConfig
+from fdp.step._fold import fold_leading_dims
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._plan import StepPlan
 from fdp.step._usage import untouched_flags
@@ -170,7 +171,7 @@ def reduce_step(
     if config.zero_stage >= 3:
         params = gather_params(params, plan.buckets, axis, n)
     out = local_gradients(
-        objective,
+        fold_leading_dims(objective) if config.fold_dots else objective,
         vary(params, axis),
         batch,
         buffers,

@@ -295,6 +295,7 @@ def train_step(
     hierarchical: bool = False,
     reduce_dtype: Any = None,
     gather_aux: bool | Callable[[str], bool] = True,
+    fold_dots: bool | None = None,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
 
@@ -378,6 +379,12 @@ def train_step(
         ``fn(key_path) -> bool`` choosing them by their
         ``jax.tree_util.keystr`` path (a chosen leaf without one row per
         example is an error).
+      fold_dots: compute dense products of n-D activations (``nn.Dense`` on
+        ``[batch, seq, features]``) on the activation folded to 2-D, as
+        ``torch.nn.Linear`` does; XLA:CPU otherwise transposes each weight
+        gradient's operand in memory. None (default): on CPU devices only.
+        Values are the same products up to the summation order (float
+        rounding). See docs/performance.md.
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,

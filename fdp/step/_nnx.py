@@ -339,6 +339,7 @@ def nnx_train_step(
     hierarchical: bool = False,
     reduce_dtype: Any = None,
     gather_aux: bool | Callable[[str], bool] = True,
+    fold_dots: bool | None = None,
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
 
@@ -389,6 +390,7 @@ def nnx_train_step(
       reduce_dtype: the dtype gradients are reduced in (see :func:`fdp.train_step`).
       gather_aux: which ``aux`` leaves come back gathered along the batch
         (logits) rather than averaged; see :func:`fdp.train_step`.
+      fold_dots: 2-D dense products on CPU (see :func:`fdp.train_step`).
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.
