@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import flax.errors
 import jax
@@ -320,7 +320,7 @@ def nnx_train_step(
     *,
     mesh: Mesh | None = None,
     axis_name: AxisName = DATA_AXIS,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | Literal["auto"] = 25.0,
     first_bucket_cap_mb: float = 1.0,
     has_aux: bool = False,
     donate: bool = True,
@@ -356,7 +356,9 @@ def nnx_train_step(
       mesh: the mesh (default: all devices on one ``'data'`` axis).
       axis_name: the data axis of ``mesh``, or ``(outer, inner)``: two mesh
         axes taken together (a host x device mesh, :func:`fdp.data_mesh`).
-      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB).
+      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB), or ``"auto"``: at its first
+        call the step times candidate caps and layouts on copies of the model
+        and optimizer and keeps the fastest (:func:`fdp.tune`; docs/bucketing.md).
       first_bucket_cap_mb: cap of the first bucket (MiB).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       donate: donate the state's buffers to the step.
@@ -413,7 +415,9 @@ def nnx_train_step(
       1
     """
     settings = {k: v for k, v in locals().items() if k not in ("loss_fn", "stats")}
-    cfg = StepConfig(**settings)
+    auto = bucket_cap_mb == "auto"
+    # With "auto", every other setting is still checked now, at DDP's default cap.
+    cfg = StepConfig(**{**settings, "bucket_cap_mb": 25.0} if auto else settings)
     if cfg.buffers == "local":
         raise ValueError(
             "buffers='local' keeps batch statistics once per device, which an NNX model "
@@ -425,5 +429,12 @@ def nnx_train_step(
             f"comm hook {cfg.comm_hook.name!r} lets replicas diverge, which needs one model "
             "per device; an NNX model object holds one. Use fdp.train_step with a Linen "
             "TrainState for this hook."
+        )
+    if auto:
+        from fdp.step._tune import AutoTunedNNXStep
+
+        # It stands in for the step it builds at its first call (same calls, same attributes).
+        return cast(
+            NNXDataParallelStep, AutoTunedNNXStep(loss_fn, nnx_train_step, **settings, stats=stats)
         )
     return NNXDataParallelStep(check_loss_fn(loss_fn), cfg, stats)

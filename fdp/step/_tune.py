@@ -66,7 +66,7 @@ def _cache_key(
     devices = jax.devices()
     mesh_key = None if mesh is None else (tuple(mesh.shape.items()), mesh.devices.shape)
     return (
-        _signature(state.params),
+        _signature(getattr(state, "params", state)),
         _signature(batch),
         mesh_key,
         devices[0].platform,
@@ -168,6 +168,40 @@ def tune(
     """
     if make_step is None:
         from fdp.step._linen import train_step as make_step
+    return _tune(
+        loss_fn,
+        state,
+        batch,
+        (rng, mask),
+        caps=caps,
+        layouts=layouts,
+        steps=steps,
+        rounds=rounds,
+        warmup=warmup,
+        margin=margin,
+        make_step=make_step,
+        copy=_copy,
+        step_kwargs=step_kwargs,
+    )
+
+
+def _tune(
+    loss_fn: Callable[..., Any],
+    state: Any,
+    batch: Any,
+    extra: tuple,
+    *,
+    caps: Sequence[float],
+    layouts: Sequence[str],
+    steps: int,
+    rounds: int,
+    warmup: int,
+    margin: float,
+    make_step: Callable[..., Any],
+    copy: Callable[[Any], Any],
+    step_kwargs: dict[str, Any],
+) -> TuneResult:
+    """:func:`tune` for any step called ``step(state, batch, *extra) -> (state, metrics)``."""
     candidates = tuple(dict.fromkeys((float(c), str(lay)) for c in caps for lay in layouts))
     if not candidates:
         raise ValueError(
@@ -184,7 +218,6 @@ def tune(
     if key in _CACHE:
         return _CACHE[key]._replace(cached=True)
 
-    extra = (rng, mask)
     steps_of: dict[tuple[float, str], Any] = {}
     digests: dict[tuple[float, str], str] = {}
     for cand in candidates:
@@ -203,7 +236,7 @@ def tune(
     same = {(float(k[0]), str(k[1])): (float(v[0]), str(v[1])) for k, v in agreed}
     timed = [c for c in candidates if same[c] == c]
 
-    states = {c: _copy(state) for c in timed}
+    states = {c: copy(state) for c in timed}
     for cand in timed:
         for _ in range(warmup):
             states[cand], _ = steps_of[cand](states[cand], batch, *extra)
@@ -291,5 +324,80 @@ class AutoTunedStep:
             raise AttributeError(
                 f"fdp.train_step(bucket_cap_mb='auto') has no {name!r} before its first call "
                 "(or .lower()): the bucket cap is chosen then."
+            )
+        return getattr(self._step, name)
+
+
+class _PairStep:
+    """An NNX step in :func:`_tune`'s calling convention, on a ``(model, optimizer)`` pair."""
+
+    def __init__(self, step: Any):
+        self._step = step
+
+    def __call__(self, pair: tuple, batch: Any, mask: Any = None) -> tuple[tuple, Any]:
+        return pair, self._step(*pair, batch, mask)
+
+    def lower(self, pair: tuple, batch: Any, mask: Any = None) -> Any:
+        return self._step.lower(*pair, batch, mask)
+
+
+def _copy_nnx(pair: tuple) -> tuple:
+    # New objects on copied arrays: the step donates, and mutates its objects in place.
+    from flax import nnx
+
+    graphdef, state = nnx.split(pair)
+    return nnx.merge(graphdef, _copy(state))
+
+
+class AutoTunedNNXStep:
+    """``fdp.nnx_train_step(bucket_cap_mb="auto")``: tunes at its first call, then is that step.
+
+    The candidates run on copies of the model and optimizer; the caller's objects
+    change only when the chosen step runs on them.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
+        self._loss_fn = loss_fn
+        self._make_step = make_step
+        self._kwargs = kwargs
+        self._step: Any = None
+        self.tuned: TuneResult | None = None
+
+    def _ensure(self, model: Any, optimizer: Any, batch: Any, mask: Any) -> Any:
+        if self._step is None:
+            skip = ("bucket_cap_mb", "layout", "stats")
+            settings = {k: v for k, v in self._kwargs.items() if k not in skip}
+            layout = self._kwargs.get("layout", "auto")
+            self.tuned = _tune(
+                self._loss_fn,
+                (model, optimizer),
+                batch,
+                (mask,),
+                caps=DEFAULT_CAPS,
+                layouts=DEFAULT_LAYOUTS if layout == "auto" else (layout,),
+                steps=3,
+                rounds=3,
+                warmup=1,
+                margin=0.03,
+                make_step=lambda fn, **kw: _PairStep(self._make_step(fn, **kw)),
+                copy=_copy_nnx,
+                step_kwargs=settings,
+            )
+            self._step = self._make_step(self._loss_fn, **{**self._kwargs, **self.tuned.kwargs()})
+        return self._step
+
+    def __call__(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
+        """Tunes (first call only), then runs the chosen step in place."""
+        return self._ensure(model, optimizer, batch, mask)(model, optimizer, batch, mask)
+
+    def lower(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
+        """Tunes (if not yet), then lowers the chosen step."""
+        return self._ensure(model, optimizer, batch, mask).lower(model, optimizer, batch, mask)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or self.__dict__.get("_step") is None:
+            raise AttributeError(
+                f"fdp.nnx_train_step(bucket_cap_mb='auto') has no {name!r} before its first "
+                "call (or .lower()): the bucket cap is chosen then."
             )
         return getattr(self._step, name)

@@ -97,3 +97,65 @@ def test_bad_settings_are_named():
         fdp.tune(loss_fn, state, batch, steps=0)
     with pytest.raises(ValueError, match="at least one candidate"):
         fdp.tune(loss_fn, state, batch, caps=())
+
+
+def _nnx_setup():
+    import optax
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    def make():
+        model = Net(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    rng = np.random.default_rng(0)
+    batch = fdp.shard_batch(
+        {"x": rng.normal(size=(16, 8)).astype(np.float32), "y": rng.integers(0, 4, 16)}
+    )
+    return make, loss_fn, batch
+
+
+def test_nnx_auto_step_tunes_on_copies_and_trains_like_the_chosen_step(monkeypatch):
+    from flax import nnx
+
+    monkeypatch.setattr(_tune, "DEFAULT_CAPS", (1.0, 25.0))
+    make, loss_fn, batch = _nnx_setup()
+    model, optimizer = make()
+    before = jax.device_get(nnx.state(model, nnx.Param))
+    step = fdp.nnx_train_step(loss_fn, bucket_cap_mb="auto")
+    with pytest.raises(AttributeError, match="nnx_train_step.*before its first call"):
+        _ = step.config
+    step.lower(model, optimizer, batch)  # tunes on copies: the model is untouched
+    assert int(optimizer.step[...]) == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(nnx.state(model, nnx.Param)), before)
+    assert step.tuned is not None and step.config.bucket_cap_mb == step.tuned.bucket_cap_mb
+    assert set(step.tuned.step_s) <= {
+        (c, lay) for c in (1.0, 25.0) for lay in _tune.DEFAULT_LAYOUTS
+    }
+    ref_model, ref_optimizer = make()
+    ref = fdp.nnx_train_step(loss_fn, **step.tuned.kwargs())
+    for _ in range(2):
+        metrics = step(model, optimizer, batch)
+        ref_metrics = ref(ref_model, ref_optimizer, batch)
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        jax.device_get(nnx.state(model, nnx.Param)),
+        jax.device_get(nnx.state(ref_model, nnx.Param)),
+    )
+
+
+def test_nnx_auto_step_checks_its_other_settings_when_built():
+    _, loss_fn, _ = _nnx_setup()
+    with pytest.raises(ValueError, match="buffers='local'"):
+        fdp.nnx_train_step(loss_fn, bucket_cap_mb="auto", buffers="local")
