@@ -311,7 +311,7 @@ class StepConfig:
         return self.mesh is not None and self.layout != "auto" and self.fold_dots is not None
 
     def _need_bound(self, what: str) -> Mesh:
-        if not self.bound:
+        if self.mesh is None or not self.bound:
             raise RuntimeError(f"StepConfig.{what} needs a bound config: call .bind() first.")
         return self.mesh
 

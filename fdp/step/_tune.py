@@ -22,6 +22,8 @@ from fdp.runtime._memory import release_free_memory
 
 DEFAULT_CAPS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
 DEFAULT_LAYOUTS: tuple[str, ...] = ("auto", "flat", "leaves")
+# How "auto" times candidates (fdp.tune's defaults).
+STEPS, ROUNDS, WARMUP, MARGIN = 3, 3, 1, 0.03
 _DEFAULT = (25.0, "auto")
 
 _CACHE: dict[tuple, TuneResult] = {}
@@ -111,10 +113,10 @@ def tune(
     *,
     caps: Sequence[float] = DEFAULT_CAPS,
     layouts: Sequence[str] = DEFAULT_LAYOUTS,
-    steps: int = 3,
-    rounds: int = 3,
-    warmup: int = 1,
-    margin: float = 0.03,
+    steps: int = STEPS,
+    rounds: int = ROUNDS,
+    warmup: int = WARMUP,
+    margin: float = MARGIN,
     make_step: Callable[..., Any] | None = None,
     **step_kwargs: Any,
 ) -> TuneResult:
@@ -276,12 +278,14 @@ def _tune(
     return result
 
 
-class AutoTunedStep:
-    """``fdp.train_step(bucket_cap_mb="auto")``: tunes at its first call, then is that step.
+class _AutoTuned:
+    """A step that tunes its bucket cap and layout at its first call, then is that step.
 
-    Until the first call (or :meth:`lower`) there is no chosen step, so ``config``,
+    Until the first call (or ``lower``) there is no chosen step, so ``config``,
     ``plan`` and the other step attributes exist only afterwards.
     """
+
+    _builder = "fdp.train_step"  # named in errors
 
     def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
         self._loss_fn = loss_fn
@@ -290,26 +294,56 @@ class AutoTunedStep:
         self._step: Any = None
         self.tuned: TuneResult | None = None
 
-    def _ensure(self, state: Any, batch: Any, rng: Any, mask: Any) -> Any:
+    def _chosen(
+        self,
+        state: Any,
+        batch: Any,
+        extra: tuple,
+        make_step: Callable[..., Any],
+        copy: Callable[[Any], Any],
+    ) -> Any:
+        """The chosen step, tuned on ``state`` the first time."""
         if self._step is None:
             skip = ("bucket_cap_mb", "layout", "stats")
             settings = {k: v for k, v in self._kwargs.items() if k not in skip}
             # A layout the user named stays; "auto" lets tuning choose among all three.
             layout = self._kwargs.get("layout", "auto")
-            layouts = DEFAULT_LAYOUTS if layout == "auto" else (layout,)
-            self.tuned = tune(
+            self.tuned = _tune(
                 self._loss_fn,
                 state,
                 batch,
-                rng,
-                mask,
+                extra,
                 caps=DEFAULT_CAPS,
-                layouts=layouts,
-                make_step=self._make_step,
-                **settings,
+                layouts=DEFAULT_LAYOUTS if layout == "auto" else (layout,),
+                steps=STEPS,
+                rounds=ROUNDS,
+                warmup=WARMUP,
+                margin=MARGIN,
+                make_step=make_step,
+                copy=copy,
+                step_kwargs=settings,
             )
             self._step = self._make_step(self._loss_fn, **{**self._kwargs, **self.tuned.kwargs()})
         return self._step
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or self.__dict__.get("_step") is None:
+            raise AttributeError(
+                f"{self._builder}(bucket_cap_mb='auto') has no {name!r} before its first call "
+                "(or .lower()): the bucket cap is chosen then."
+            )
+        return getattr(self._step, name)
+
+
+class AutoTunedStep(_AutoTuned):
+    """``fdp.train_step(bucket_cap_mb="auto")``: tunes at its first call, then is that step.
+
+    Until the first call (or :meth:`lower`) there is no chosen step, so ``config``,
+    ``plan`` and the other step attributes exist only afterwards.
+    """
+
+    def _ensure(self, state: Any, batch: Any, rng: Any, mask: Any) -> Any:
+        return self._chosen(state, batch, (rng, mask), self._make_step, _copy)
 
     def __call__(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
         """Tunes (first call only), then runs the chosen step."""
@@ -318,14 +352,6 @@ class AutoTunedStep:
     def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
         """Tunes (if not yet), then lowers the chosen step."""
         return self._ensure(state, batch, rng, mask).lower(state, batch, rng, mask)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or self.__dict__.get("_step") is None:
-            raise AttributeError(
-                f"fdp.train_step(bucket_cap_mb='auto') has no {name!r} before its first call "
-                "(or .lower()): the bucket cap is chosen then."
-            )
-        return getattr(self._step, name)
 
 
 class _PairStep:
@@ -349,42 +375,20 @@ def _copy_nnx(pair: tuple) -> tuple:
     return nnx.merge(graphdef, _copy(state))
 
 
-class AutoTunedNNXStep:
+class AutoTunedNNXStep(_AutoTuned):
     """``fdp.nnx_train_step(bucket_cap_mb="auto")``: tunes at its first call, then is that step.
 
     The candidates run on copies of the model and optimizer; the caller's objects
     change only when the chosen step runs on them.
     """
 
-    def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
-        self._loss_fn = loss_fn
-        self._make_step = make_step
-        self._kwargs = kwargs
-        self._step: Any = None
-        self.tuned: TuneResult | None = None
+    _builder = "fdp.nnx_train_step"
 
     def _ensure(self, model: Any, optimizer: Any, batch: Any, mask: Any) -> Any:
-        if self._step is None:
-            skip = ("bucket_cap_mb", "layout", "stats")
-            settings = {k: v for k, v in self._kwargs.items() if k not in skip}
-            layout = self._kwargs.get("layout", "auto")
-            self.tuned = _tune(
-                self._loss_fn,
-                (model, optimizer),
-                batch,
-                (mask,),
-                caps=DEFAULT_CAPS,
-                layouts=DEFAULT_LAYOUTS if layout == "auto" else (layout,),
-                steps=3,
-                rounds=3,
-                warmup=1,
-                margin=0.03,
-                make_step=lambda fn, **kw: _PairStep(self._make_step(fn, **kw)),
-                copy=_copy_nnx,
-                step_kwargs=settings,
-            )
-            self._step = self._make_step(self._loss_fn, **{**self._kwargs, **self.tuned.kwargs()})
-        return self._step
+        def make_step(loss_fn: Callable[..., Any], **kwargs: Any) -> _PairStep:
+            return _PairStep(self._make_step(loss_fn, **kwargs))
+
+        return self._chosen((model, optimizer), batch, (mask,), make_step, _copy_nnx)
 
     def __call__(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
         """Tunes (first call only), then runs the chosen step in place."""
@@ -393,11 +397,3 @@ class AutoTunedNNXStep:
     def lower(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
         """Tunes (if not yet), then lowers the chosen step."""
         return self._ensure(model, optimizer, batch, mask).lower(model, optimizer, batch, mask)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or self.__dict__.get("_step") is None:
-            raise AttributeError(
-                f"fdp.nnx_train_step(bucket_cap_mb='auto') has no {name!r} before its first "
-                "call (or .lower()): the bucket cap is chosen then."
-            )
-        return getattr(self._step, name)
