@@ -177,16 +177,6 @@ def call_body(eqn: Any) -> Any:
     return None
 
 
-def is_literal(atom: Any) -> bool:
-    """Whether a jaxpr equation's input is a literal (a constant written in the jaxpr)."""
-    return isinstance(atom, jex.Literal)
-
-
-def literal_value(atom: Any) -> Any:
-    """The value of a jaxpr literal."""
-    return atom.val
-
-
 def inlinable_call(eqn: Any) -> Any | None:
     """The closed jaxpr of a ``jit`` equation that can be evaluated in place, or None.
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 
 from fdp import _compat
 
@@ -85,7 +86,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
-        return _compat.literal_value(v) if _compat.is_literal(v) else env[v]
+        return v.val if isinstance(v, jex.Literal) else env[v]
 
     for var, val in zip(jaxpr.constvars, consts, strict=True):
         env[var] = val
