@@ -31,6 +31,7 @@ from fdp.hooks._quantize import quantize_per_channel as quantize_per_channel
 from fdp.hooks._quantize import quantize_per_tensor as quantize_per_tensor
 from fdp.hooks._registry import HOOKS as HOOKS
 from fdp.hooks._registry import resolve as resolve
+from fdp.hooks._shm import shm_allreduce as shm_allreduce
 from fdp.hooks._two_level import hierarchical as hierarchical
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "bf16_compress",
     "bf16_compress_wrapper",
     "compressed_allreduce",
+    "shm_allreduce",
     "diloco",
     "fp16_compress",
     "fp16_compress_wrapper",

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdp.bucketing import BucketPlan, check_tree, has_gradient, plan_for
-from fdp.collectives import axis_size, is_varying
+from fdp.collectives import _shm, axis_size, is_varying
 from fdp.collectives._axis import AxisName
 from fdp.hooks._basic import allreduce
 from fdp.hooks._contract import (
@@ -135,27 +135,29 @@ def reduce_with_hook(
     # jax.grad gives them), constants and so replicated by nature.
     out = [_no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
     last = len(plan.buckets) - 1
-    for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
-        grad_bucket = GradBucket(
-            bucket,
-            [leaves[i] for i in bucket.leaf_indices],
-            is_last=bucket.index == last,
-            axis_name=axis_name,
-            layout=layout,
-            parameters=None
-            if param_leaves is None
-            else [param_leaves[i] for i in bucket.leaf_indices],
-            shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
-        )
-        with jax.named_scope(f"fdp_bucket_{bucket.index}"):
-            if scatter is not None:
-                result, state = scatter(state, grad_bucket)
-                reduced = as_shards(hook, grad_bucket, result)
-            else:
-                result, state = hook.reduce(state, grad_bucket)
-                reduced = as_leaves(hook, grad_bucket, result)
-        for i, leaf in zip(bucket.leaf_indices, reduced, strict=True):
-            out[i] = leaf
+    # Shared-memory sums (comm_hook='shm_allreduce') run in bucket order on every process.
+    with _shm.ordered():
+        for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
+            grad_bucket = GradBucket(
+                bucket,
+                [leaves[i] for i in bucket.leaf_indices],
+                is_last=bucket.index == last,
+                axis_name=axis_name,
+                layout=layout,
+                parameters=None
+                if param_leaves is None
+                else [param_leaves[i] for i in bucket.leaf_indices],
+                shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
+            )
+            with jax.named_scope(f"fdp_bucket_{bucket.index}"):
+                if scatter is not None:
+                    result, state = scatter(state, grad_bucket)
+                    reduced = as_shards(hook, grad_bucket, result)
+                else:
+                    result, state = hook.reduce(state, grad_bucket)
+                    reduced = as_leaves(hook, grad_bucket, result)
+            for i, leaf in zip(bucket.leaf_indices, reduced, strict=True):
+                out[i] = leaf
     return jax.tree.unflatten(plan.treedef, out), state
 
 

@@ -9,6 +9,7 @@ from fdp.hooks._compressed import compressed_allreduce
 from fdp.hooks._contract import CommHook
 from fdp.hooks._powersgd import batched_powersgd, powersgd
 from fdp.hooks._quantize import quantize_per_channel, quantize_per_tensor
+from fdp.hooks._shm import shm_allreduce
 
 HOOKS: dict[str, Callable[[], CommHook]] = {
     "allreduce": allreduce,
@@ -22,6 +23,7 @@ HOOKS: dict[str, Callable[[], CommHook]] = {
     "compressed_int8": lambda: compressed_allreduce("int8"),
     "compressed_bf16": lambda: compressed_allreduce("bfloat16"),
     "compressed_fp16": lambda: compressed_allreduce("float16"),
+    "shm_allreduce": shm_allreduce,
 }
 
 

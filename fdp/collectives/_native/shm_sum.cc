@@ -1,0 +1,218 @@
+// fdp's shared-memory sum across the processes of one host (CPU only).
+//
+// Each process maps one region per peer (set up from Python, fdp/collectives/_shm.py)
+// laid out as: a 64-byte header (the epoch this process has reached), then for each
+// call parity (0, 1) an input slot of `capacity` bytes and a result slot of
+// `capacity / world` (rounded up) bytes. One call, with rank r of P and chunk c = n / P:
+//   1. copy every chunk of x but r's own into this process's input slot;
+//   2. barrier: every process has published its input;
+//   3. sum chunk r over ranks 0..P-1 in that order (r's own from x), into the
+//      output and into this process's result slot;
+//   4. barrier: every chunk is summed;
+//   5. copy each peer's chunk from its result slot into the output.
+// Slots alternate by call parity, so a slot is rewritten only after every process
+// has passed the next call's first barrier, i.e. has finished reading it: two
+// barriers per call. The sum of every element is formed once, by its owner, in rank
+// order, so every process gets the same bits. A peer that does not arrive within the
+// timeout turns into an error naming it.
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Group {
+  int rank = -1;
+  int world = 0;
+  int64_t capacity = 0;  // bytes of one input slot
+  int64_t chunk_capacity = 0;
+  double timeout_s = 300.0;
+  std::vector<char*> bases;
+  uint64_t calls = 0;
+};
+
+Group g_group;
+std::mutex g_mutex;  // one call at a time per process (calls are also chained in the program)
+constexpr int64_t kHeader = 64;
+
+std::atomic<uint64_t>* epoch_of(int rank) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(g_group.bases[rank]);
+}
+
+// The byte size of the call a rank is in (written before its first barrier).
+std::atomic<int64_t>* size_of(int rank) {
+  return reinterpret_cast<std::atomic<int64_t>*>(g_group.bases[rank] + 8);
+}
+
+char* input_slot(int rank, int parity) {
+  return g_group.bases[rank] + kHeader + parity * (g_group.capacity + g_group.chunk_capacity);
+}
+
+char* result_slot(int rank, int parity) { return input_slot(rank, parity) + g_group.capacity; }
+
+// Publishes `epoch` and waits until every peer has published it too. Returns the
+// ranks still missing at the timeout (empty on success).
+std::vector<int> barrier(uint64_t epoch) {
+  epoch_of(g_group.rank)->store(epoch, std::memory_order_release);
+  auto start = std::chrono::steady_clock::now();
+  uint64_t spins = 0;
+  for (;;) {
+    bool all = true;
+    for (int q = 0; q < g_group.world && all; ++q) {
+      all = epoch_of(q)->load(std::memory_order_acquire) >= epoch;
+    }
+    if (all) return {};
+    ++spins;
+    if (spins < 4096) {
+      continue;
+    } else if (spins < 8192) {
+      sched_yield();
+    } else {
+      timespec ts{0, 20000};
+      nanosleep(&ts, nullptr);
+    }
+    if ((spins & 255) == 0) {
+      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > g_group.timeout_s) {
+        std::vector<int> missing;
+        for (int q = 0; q < g_group.world; ++q) {
+          if (epoch_of(q)->load(std::memory_order_acquire) < epoch) missing.push_back(q);
+        }
+        return missing;
+      }
+    }
+  }
+}
+
+ffi::Error missing_error(const std::vector<int>& missing, uint64_t call) {
+  std::string ranks;
+  for (int q : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                    "fdp shared-memory all-reduce: rank " + std::to_string(g_group.rank) +
+                        " waited " + std::to_string(g_group.timeout_s) + " s at call " +
+                        std::to_string(call) + " for rank(s) " + ranks +
+                        ", which did not arrive (a peer that exited, hangs, or runs a "
+                        "different program)");
+}
+
+template <typename T>
+void sum_chunk(const T* mine, int parity, int64_t lo, int64_t hi, T* out, T* result) {
+  const int rank = g_group.rank;
+  const T* first = rank == 0 ? mine : reinterpret_cast<const T*>(input_slot(0, parity));
+  for (int64_t i = lo; i < hi; ++i) result[i - lo] = first[i];
+  for (int q = 1; q < g_group.world; ++q) {
+    const T* src = q == rank ? mine : reinterpret_cast<const T*>(input_slot(q, parity));
+    for (int64_t i = lo; i < hi; ++i) result[i - lo] += src[i];
+  }
+  std::memcpy(out + lo, result, (hi - lo) * sizeof(T));
+}
+
+template <typename T>
+ffi::Error run(const T* x, T* out, int64_t n) {
+  if (g_group.world == 0) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "fdp shared-memory all-reduce: no group in this process (the step "
+                      "sets one up when it is traced)");
+  }
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  if (bytes > g_group.capacity) {
+    return ffi::Error(ffi::ErrorCode::kOutOfRange,
+                      "fdp shared-memory all-reduce: a buffer of " + std::to_string(bytes) +
+                          " bytes exceeds the group's capacity of " +
+                          std::to_string(g_group.capacity) + " bytes");
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const uint64_t call = g_group.calls++;
+  const int parity = static_cast<int>(call & 1);
+  const int world = g_group.world, rank = g_group.rank;
+  const int64_t chunk = (n + world - 1) / world;
+  T* slot = reinterpret_cast<T*>(input_slot(rank, parity));
+  for (int q = 0; q < world; ++q) {
+    if (q == rank) continue;
+    int64_t lo = q * chunk, hi = std::min(n, lo + chunk);
+    if (hi > lo) std::memcpy(slot + lo, x + lo, (hi - lo) * sizeof(T));
+  }
+  size_of(rank)->store(bytes, std::memory_order_relaxed);
+  auto missing = barrier(2 * call + 1);
+  if (!missing.empty()) return missing_error(missing, call);
+  for (int q = 0; q < world; ++q) {
+    int64_t theirs = size_of(q)->load(std::memory_order_relaxed);
+    if (theirs != bytes) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "fdp shared-memory all-reduce: at call " + std::to_string(call) +
+                            " rank " + std::to_string(rank) + " sums " + std::to_string(bytes) +
+                            " bytes but rank " + std::to_string(q) + " sums " +
+                            std::to_string(theirs) +
+                            " (the processes run different programs or buckets)");
+    }
+  }
+  int64_t lo = rank * chunk, hi = std::min(n, lo + chunk);
+  if (hi > lo) sum_chunk<T>(x, parity, lo, hi, out, reinterpret_cast<T*>(result_slot(rank, parity)));
+  missing = barrier(2 * call + 2);
+  if (!missing.empty()) return missing_error(missing, call);
+  for (int q = 0; q < world; ++q) {
+    if (q == rank) continue;
+    int64_t a = q * chunk, b = std::min(n, a + chunk);
+    if (b > a) std::memcpy(out + a, result_slot(q, parity), (b - a) * sizeof(T));
+  }
+  return ffi::Error::Success();
+}
+
+// `after` is not read: the program passes the previous call's output there, so
+// XLA runs the calls in program order on every process.
+ffi::Error ShmSumImpl(ffi::AnyBuffer x, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> out) {
+  (void)after;
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      return run<float>(reinterpret_cast<const float*>(x.untyped_data()),
+                        reinterpret_cast<float*>(out->untyped_data()), n);
+    case ffi::DataType::F64:
+      return run<double>(reinterpret_cast<const double*>(x.untyped_data()),
+                         reinterpret_cast<double*>(out->untyped_data()), n);
+    default:
+      return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                        "fdp shared-memory all-reduce sums float32 and float64 only");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FdpShmSum, ShmSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+extern "C" {
+
+// Installs a group: `bases[q]` is rank q's mapped region, the same size for every
+// rank. Called by every process at the same point (a collective), between calls.
+void fdp_shm_install(int rank, int world, char** bases, int64_t capacity,
+                        int64_t chunk_capacity, double timeout_s) {
+  g_group.rank = rank;
+  g_group.world = world;
+  g_group.capacity = capacity;
+  g_group.chunk_capacity = chunk_capacity;
+  g_group.timeout_s = timeout_s;
+  g_group.bases.assign(bases, bases + world);
+  g_group.calls = 0;
+}
+
+void fdp_shm_set_timeout(double timeout_s) { g_group.timeout_s = timeout_s; }
+
+int64_t fdp_shm_header_bytes() { return kHeader; }
+
+}  // extern "C"

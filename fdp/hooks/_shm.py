@@ -1,0 +1,55 @@
+"""The shared-memory all-reduce: DDP's mean, summed through ``/dev/shm`` on CPU processes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+
+from fdp.collectives import _shm
+from fdp.collectives._axis import axis_size
+from fdp.hooks._contract import CommHook, GradBucket, HookState, mean_all_reduce, stateless_init
+
+
+@functools.cache
+def shm_allreduce(timeout: float = 300.0) -> CommHook:
+    """DDP's ``allreduce_hook`` through shared memory, for CPU processes on one host.
+
+    The same mean as :func:`fdp.hooks.allreduce` (each gradient divided by the
+    number of processes, then summed), but the sum runs in fdp's own FFI call
+    instead of XLA's gloo all-reduce: each process copies its bucket into
+    ``/dev/shm`` once, sums its share of every peer's bucket, and copies the
+    other shares back, in place and inside the compiled step. With two
+    processes the result has the same bits as gloo's sum.
+
+    Needs one CPU device per process, every process of the run on one host, and
+    a C++ compiler at the first step (the FFI file is compiled once and cached
+    under ``~/.cache/fdp``). float32 and float64 buckets go through shared
+    memory; buckets of other dtypes through XLA's all-reduce. Not for ZeRO
+    stages 2 and 3 (no reduce-scatter form).
+
+    Args:
+      timeout: seconds a process waits for a peer at a bucket; past it the
+        step fails with an error that names the missing rank(s).
+
+    Example:
+      >>> hook = shm_allreduce()
+      >>> hook.name, hook is shm_allreduce()
+      ('shm_allreduce', True)
+    """
+
+    def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
+        values = [bucket.buffer] if bucket.layout == "flat" else list(bucket.gradients)
+        size = axis_size(bucket.axis_name)
+        out = []
+        for v in values:
+            if jnp.dtype(v.dtype) in _shm.DTYPES:
+                out.append(
+                    _shm.shm_sum(v / jnp.asarray(size, v.dtype), bucket.axis_name, timeout=timeout)
+                )
+            else:
+                out.append(mean_all_reduce([v], bucket.axis_name)[0])
+        return (out[0] if bucket.layout == "flat" else out), state
+
+    return CommHook("shm_allreduce", stateless_init, reduce, vma_safe=False)
