@@ -62,37 +62,44 @@ def worker(framework: str, sizes_mb: list[float], reps: int, out: str) -> None:
 
     times: dict = {}
     faults: dict = {}
-    if framework == "jax":
+    if framework in ("jax", "jax-shm"):
         import jax
         from jax.sharding import PartitionSpec as P
 
         import fdp
+        from fdp.collectives._shm import shm_sum
 
         jax.config.update("jax_num_cpu_devices", 1)
         fdp.init(initialization_timeout=120)
         rank, mesh = fdp.process_index(), fdp.data_mesh()
+        total = shm_sum if framework == "jax-shm" else jax.lax.psum
         body = jax.shard_map(
-            lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data")
+            lambda v: total(v, "data"),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+            check_vma=framework == "jax",
         )
         psum = jax.jit(body)
         for mb in sizes_mb:
             x = fdp.shard_batch(np.ones((1, int(mb * 2**20) // 4), np.float32), mesh)
             times[mb] = _time(lambda x=x: jax.block_until_ready(psum(x)), reps)
             faults[mb] = _LAST_FAULTS[0]
-        # The largest all-reduce with its input donated: XLA may then give the
-        # all-reduce one buffer for input and output (in place, as torch's).
-        donated = jax.jit(body, donate_argnums=0)
-        fresh = [x.copy() for _ in range(reps + 3)]
-        jax.block_until_ready(fresh)
-        times["donated"] = _time(lambda: jax.block_until_ready(donated(fresh.pop())), reps)
-        faults["donated"] = _LAST_FAULTS[0]
-        times["donated_hlo_aliases"] = [
-            float("may-alias" in donated.lower(x.copy()).compile().as_text().split("\n", 1)[0])
-        ]
-        a = np.random.default_rng(0).normal(size=(1, 1024, 1024)).astype(np.float32) / 32
-        a = fdp.shard_batch(a, mesh)
-        for name, fn in _overlap_programs(mesh).items():
-            times[name] = _time(lambda fn=fn: jax.block_until_ready(fn(a, x)), reps)
+        if framework == "jax":  # fdp's own sum (jax-shm) has no donation or overlap rows
+            # The largest all-reduce with its input donated: XLA may then give the
+            # all-reduce one buffer for input and output (in place, as torch's).
+            donated = jax.jit(body, donate_argnums=0)
+            fresh = [x.copy() for _ in range(reps + 3)]
+            jax.block_until_ready(fresh)
+            times["donated"] = _time(lambda: jax.block_until_ready(donated(fresh.pop())), reps)
+            faults["donated"] = _LAST_FAULTS[0]
+            times["donated_hlo_aliases"] = [
+                float("may-alias" in donated.lower(x.copy()).compile().as_text().split("\n", 1)[0])
+            ]
+            a = np.random.default_rng(0).normal(size=(1, 1024, 1024)).astype(np.float32) / 32
+            a = fdp.shard_batch(a, mesh)
+            for name, fn in _overlap_programs(mesh).items():
+                times[name] = _time(lambda fn=fn: jax.block_until_ready(fn(a, x)), reps)
     else:
         import torch
         import torch.distributed as dist
@@ -137,10 +144,10 @@ def run(framework: str, args: argparse.Namespace) -> dict[float, list[float]]:
         env = clean_env()
         if framework == "jax-untuned":
             env["FDP_MALLOC_TUNING"] = "0"  # glibc as it comes: fdp before issue 18
-        worker = "torch" if framework == "torch" else "jax"
+        worker = {"torch": "torch", "jax-shm": "jax-shm"}.get(framework, "jax")
         me = [os.path.abspath(__file__), "--worker", worker, "--sizes", args.sizes]
         me += ["--reps", str(args.reps), "--out", out]
-        if worker == "jax":
+        if worker != "torch":
             cmd = [sys.executable, "-m", "fdp.launch", "--nproc-per-node", "2"]
             cmd += [*args.launch_args, *me]
         else:
@@ -173,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra argument for fdp launch (repeatable), e.g. --launch-arg=--no-cpu-binding",
     )
     parser.add_argument("--json")
-    parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--frameworks",
+        default="jax,jax-untuned,jax-shm,torch",
+        help="jax (XLA's gloo all-reduce), jax-untuned (FDP_MALLOC_TUNING=0), jax-shm "
+        "(fdp's shared-memory sum, comm_hook='shm_allreduce'), torch (needs jax first)",
+    )
+    parser.add_argument("--worker", choices=("jax", "jax-shm", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.sizes.split(",")]
@@ -181,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, sizes, args.reps, args.out)
         return 0
 
-    frameworks = ("jax", "jax-untuned", "torch")
+    frameworks = tuple(args.frameworks.split(","))
+    if frameworks[0] != "jax" or "torch" not in frameworks:
+        parser.error(f"--frameworks must start with jax and include torch, got {args.frameworks}")
     runs: dict[str, dict] = {fw: {} for fw in frameworks}
     faults: dict[str, dict] = {fw: {} for fw in frameworks}
+    nfw = len(frameworks)
     for r in progress(range(args.repeats), "repeats"):
-        for fw in frameworks[r % 3 :] + frameworks[: r % 3]:
+        for fw in frameworks[r % nfw :] + frameworks[: r % nfw]:
             for key, ts in run(fw, args).items():
                 if key == "faults":
                     for k, v in ts.items():
@@ -206,24 +222,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.reps} all-reduces; faults per all-reduce on rank 0 (donated: the largest "
         "size with its input donated)"
     )
-    header = (
-        f"{'MiB':>8}{'JAX ms':>9}{'untuned ms':>12}{'torch ms':>10}{'JAX/torch':>11}"
-        f"{'untuned/torch':>15}{'JAX flt':>9}{'untuned flt':>13}{'torch flt':>11}"
-    )
+    others = [fw for fw in frameworks if fw != "torch"]
+    header = f"{'MiB':>8}" + "".join(f"{fw + ' ms':>15}" for fw in [*others, "torch"])
+    header += "".join(f"{fw + '/torch':>18}" for fw in others)
+    header += "".join(f"{fw + ' flt':>16}" for fw in [*others, "torch"])
     print(header)
     print("-" * len(header))
     largest = rows[len(sizes) - 1]
+    nan = float("nan")
     for row in rows:
         torch_ms = row.get("torch_ms", largest["torch_ms"])
-        print(
-            f"{row['mib']!s:>8}{row.get('jax_ms', float('nan')):>9.2f}"
-            f"{row.get('jax-untuned_ms', float('nan')):>12.2f}{torch_ms:>10.2f}"
-            f"{row.get('jax_ms', float('nan')) / torch_ms:>11.2f}"
-            f"{row.get('jax-untuned_ms', float('nan')) / torch_ms:>15.2f}"
-            f"{row.get('jax_faults', float('nan')):>9.0f}"
-            f"{row.get('jax-untuned_faults', float('nan')):>13.0f}"
-            f"{row.get('torch_faults', float('nan')):>11.0f}"
-        )
+        line = f"{row['mib']!s:>8}"
+        line += "".join(f"{row.get(f'{fw}_ms', nan):>15.2f}" for fw in others)
+        line += f"{torch_ms:>15.2f}"
+        line += "".join(f"{row.get(f'{fw}_ms', nan) / torch_ms:>18.2f}" for fw in others)
+        line += "".join(f"{row.get(f'{fw}_faults', nan):>16.0f}" for fw in [*others, "torch"])
+        print(line)
     print(f"donated program aliases its output to its input: {runs['jax']['donated_hlo_aliases']}")
     overlap = {k: 1e3 * statistics.median(runs["jax"][k]) for k in OVERLAP}
     overlap["hidden"] = overlap["matmuls"] + overlap["all-reduce"] - overlap["together"]

@@ -69,6 +69,9 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
             if framework == "fdp-unfolded":
                 # fdp before fold_dots: dense products of 3-D activations as written.
                 script += ["--fold-dots", "off"]
+            if framework == "fdp-shm":
+                # The sum through shared memory instead of XLA's gloo all-reduce.
+                script += ["--comm-hook", "shm_allreduce"]
             if nproc == 1:
                 cmd = [sys.executable, *script]
             else:
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         default="fdp,torch",
         help=(
             "variants run in alternating order: fdp, fdp-untuned (FDP_MALLOC_TUNING=0), "
-            "fdp-unfolded (fold_dots=False), torch"
+            "fdp-unfolded (fold_dots=False), fdp-shm (comm_hook='shm_allreduce'), torch"
         ),
     )
     parser.add_argument("--timeout", type=int, default=900)

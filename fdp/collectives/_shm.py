@@ -97,9 +97,7 @@ def library() -> ctypes.CDLL:
             ctypes.POINTER(ctypes.c_void_p),
             ctypes.c_int64,
             ctypes.c_int64,
-            ctypes.c_double,
         ]
-        lib.fdp_shm_set_timeout.argtypes = [ctypes.c_double]
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.FdpShmSum), platform="cpu")
         _state["lib"] = lib
         return lib
@@ -171,7 +169,7 @@ def _install(timeout: float) -> dict[str, Any]:
     bases = (ctypes.c_void_p * world)(
         *[ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
     )
-    lib.fdp_shm_install(rank, world, bases, capacity, chunk, float(timeout))
+    lib.fdp_shm_install(rank, world, bases, capacity, chunk)
     return {"maps": maps, "capacity": capacity, "world": world, "rank": rank, "reserved": 0}
 
 
@@ -219,7 +217,6 @@ def group(nbytes: int, timeout: float) -> dict[str, Any]:
     if nbytes > with_group["reserved"]:
         _check_space(nbytes, with_group["world"])
         _reserve(with_group, nbytes)
-    library().fdp_shm_set_timeout(float(timeout))
     return with_group
 
 
@@ -281,7 +278,7 @@ def shm_sum(x: jax.Array, axis_name: AxisName, *, timeout: float = 300.0) -> jax
         has_side_effect=True,
     )
     # ``after`` is not read: it orders this call after the previous one.
-    out = call(x.reshape(-1), after.astype(x.dtype))
+    out = call(x.reshape(-1), after.astype(x.dtype), timeout_s=np.float64(timeout))
     if chain is not None:
         chain[0] = out[:1]
     return out.reshape(x.shape)

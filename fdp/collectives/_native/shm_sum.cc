@@ -38,7 +38,6 @@ struct Group {
   int world = 0;
   int64_t capacity = 0;  // bytes of one input slot
   int64_t chunk_capacity = 0;
-  double timeout_s = 300.0;
   std::vector<char*> bases;
   uint64_t calls = 0;
 };
@@ -64,7 +63,7 @@ char* result_slot(int rank, int parity) { return input_slot(rank, parity) + g_gr
 
 // Publishes `epoch` and waits until every peer has published it too. Returns the
 // ranks still missing at the timeout (empty on success).
-std::vector<int> barrier(uint64_t epoch) {
+std::vector<int> barrier(uint64_t epoch, double timeout_s) {
   epoch_of(g_group.rank)->store(epoch, std::memory_order_release);
   auto start = std::chrono::steady_clock::now();
   uint64_t spins = 0;
@@ -85,7 +84,7 @@ std::vector<int> barrier(uint64_t epoch) {
     }
     if ((spins & 255) == 0) {
       double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (waited > g_group.timeout_s) {
+      if (waited > timeout_s) {
         std::vector<int> missing;
         for (int q = 0; q < g_group.world; ++q) {
           if (epoch_of(q)->load(std::memory_order_acquire) < epoch) missing.push_back(q);
@@ -96,31 +95,44 @@ std::vector<int> barrier(uint64_t epoch) {
   }
 }
 
-ffi::Error missing_error(const std::vector<int>& missing, uint64_t call) {
+ffi::Error missing_error(const std::vector<int>& missing, uint64_t call, double timeout_s) {
   std::string ranks;
   for (int q : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                     "fdp shared-memory all-reduce: rank " + std::to_string(g_group.rank) +
-                        " waited " + std::to_string(g_group.timeout_s) + " s at call " +
+                        " waited " + std::to_string(timeout_s) + " s at call " +
                         std::to_string(call) + " for rank(s) " + ranks +
                         ", which did not arrive (a peer that exited, hangs, or runs a "
                         "different program)");
 }
 
+// Sums elements [lo, hi) over ranks 0..P-1 in that order into `result` (read by the
+// peers) and `out`; the last pass writes both.
 template <typename T>
 void sum_chunk(const T* mine, int parity, int64_t lo, int64_t hi, T* out, T* result) {
-  const int rank = g_group.rank;
-  const T* first = rank == 0 ? mine : reinterpret_cast<const T*>(input_slot(0, parity));
-  for (int64_t i = lo; i < hi; ++i) result[i - lo] = first[i];
-  for (int q = 1; q < g_group.world; ++q) {
-    const T* src = q == rank ? mine : reinterpret_cast<const T*>(input_slot(q, parity));
-    for (int64_t i = lo; i < hi; ++i) result[i - lo] += src[i];
+  const int rank = g_group.rank, world = g_group.world;
+  auto src = [&](int q) {
+    return q == rank ? mine : reinterpret_cast<const T*>(input_slot(q, parity));
+  };
+  const int64_t n = hi - lo;
+  const T* a = src(0) + lo;
+  const T* b = src(1) + lo;
+  T* o = out + lo;
+  if (world == 2) {
+    for (int64_t i = 0; i < n; ++i) o[i] = result[i] = a[i] + b[i];
+    return;
   }
-  std::memcpy(out + lo, result, (hi - lo) * sizeof(T));
+  for (int64_t i = 0; i < n; ++i) result[i] = a[i] + b[i];
+  for (int q = 2; q < world - 1; ++q) {
+    const T* c = src(q) + lo;
+    for (int64_t i = 0; i < n; ++i) result[i] += c[i];
+  }
+  const T* last = src(world - 1) + lo;
+  for (int64_t i = 0; i < n; ++i) o[i] = result[i] = result[i] + last[i];
 }
 
 template <typename T>
-ffi::Error run(const T* x, T* out, int64_t n) {
+ffi::Error run(const T* x, T* out, int64_t n, double timeout_s) {
   if (g_group.world == 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "fdp shared-memory all-reduce: no group in this process (the step "
@@ -145,8 +157,8 @@ ffi::Error run(const T* x, T* out, int64_t n) {
     if (hi > lo) std::memcpy(slot + lo, x + lo, (hi - lo) * sizeof(T));
   }
   size_of(rank)->store(bytes, std::memory_order_relaxed);
-  auto missing = barrier(2 * call + 1);
-  if (!missing.empty()) return missing_error(missing, call);
+  auto missing = barrier(2 * call + 1, timeout_s);
+  if (!missing.empty()) return missing_error(missing, call, timeout_s);
   for (int q = 0; q < world; ++q) {
     int64_t theirs = size_of(q)->load(std::memory_order_relaxed);
     if (theirs != bytes) {
@@ -160,8 +172,8 @@ ffi::Error run(const T* x, T* out, int64_t n) {
   }
   int64_t lo = rank * chunk, hi = std::min(n, lo + chunk);
   if (hi > lo) sum_chunk<T>(x, parity, lo, hi, out, reinterpret_cast<T*>(result_slot(rank, parity)));
-  missing = barrier(2 * call + 2);
-  if (!missing.empty()) return missing_error(missing, call);
+  missing = barrier(2 * call + 2, timeout_s);
+  if (!missing.empty()) return missing_error(missing, call, timeout_s);
   for (int q = 0; q < world; ++q) {
     if (q == rank) continue;
     int64_t a = q * chunk, b = std::min(n, a + chunk);
@@ -172,16 +184,17 @@ ffi::Error run(const T* x, T* out, int64_t n) {
 
 // `after` is not read: the program passes the previous call's output there, so
 // XLA runs the calls in program order on every process.
-ffi::Error ShmSumImpl(ffi::AnyBuffer x, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Error ShmSumImpl(ffi::AnyBuffer x, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> out,
+                      double timeout_s) {
   (void)after;
   const int64_t n = static_cast<int64_t>(x.element_count());
   switch (x.element_type()) {
     case ffi::DataType::F32:
       return run<float>(reinterpret_cast<const float*>(x.untyped_data()),
-                        reinterpret_cast<float*>(out->untyped_data()), n);
+                        reinterpret_cast<float*>(out->untyped_data()), n, timeout_s);
     case ffi::DataType::F64:
       return run<double>(reinterpret_cast<const double*>(x.untyped_data()),
-                         reinterpret_cast<double*>(out->untyped_data()), n);
+                         reinterpret_cast<double*>(out->untyped_data()), n, timeout_s);
     default:
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         "fdp shared-memory all-reduce sums float32 and float64 only");
@@ -194,24 +207,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FdpShmSum, ShmSumImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<double>("timeout_s"));
 
 extern "C" {
 
 // Installs a group: `bases[q]` is rank q's mapped region, the same size for every
 // rank. Called by every process at the same point (a collective), between calls.
 void fdp_shm_install(int rank, int world, char** bases, int64_t capacity,
-                        int64_t chunk_capacity, double timeout_s) {
+                     int64_t chunk_capacity) {
   g_group.rank = rank;
   g_group.world = world;
   g_group.capacity = capacity;
   g_group.chunk_capacity = chunk_capacity;
-  g_group.timeout_s = timeout_s;
   g_group.bases.assign(bases, bases + world);
   g_group.calls = 0;
 }
-
-void fdp_shm_set_timeout(double timeout_s) { g_group.timeout_s = timeout_s; }
 
 int64_t fdp_shm_header_bytes() { return kHeader; }
 

@@ -1,0 +1,87 @@
+"""Trains with comm_hook='allreduce' and 'shm_allreduce' from the same start (for tests).
+
+    shm_sum.py --out DIR [--stall-rank R]
+
+Under `fdp launch`, one CPU device per process: 4 Adam steps of a small MLP with
+tiny buckets (several per step), both layouts, each hook; each rank writes its final
+parameters to DIR/rank{R}.npz. The layers have odd widths, so buffers split unevenly
+between processes. Then rank R sleeps before one more shared-memory sum whose peers wait
+2 s: rank 0 writes the error it got to DIR/stall.txt.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--stall-rank", type=int, default=1)
+args = parser.parse_args()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 1)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training.train_state import TrainState  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import fdp  # noqa: E402
+from fdp.collectives._shm import shm_sum  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _models import MLP, cross_entropy, make_data  # noqa: E402
+
+fdp.init(initialization_timeout=60)
+rank = fdp.process_index()
+model = MLP(features=(33, 15))
+params = model.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"]
+data = make_data(10 + rank, 4 * 8)
+batches = [{k: v[i * 8 : (i + 1) * 8] for k, v in data.items()} for i in range(4)]
+results = {
+    f"start/{jax.tree_util.keystr(k)}": np.asarray(v)
+    for k, v in jax.tree_util.tree_leaves_with_path(params)
+}
+for layout in ("flat", "leaves"):
+    for hook in ("allreduce", "shm_allreduce"):
+        state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2)))
+        step = fdp.train_step(
+            cross_entropy(model.apply),
+            comm_hook=hook,
+            layout=layout,
+            bucket_cap_mb=0.004,
+            first_bucket_cap_mb=0.002,
+        )
+        for batch in batches:
+            state, _ = step(state, fdp.shard_batch(batch))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
+            results[f"{layout}/{hook}/{jax.tree_util.keystr(path)}"] = np.asarray(
+                leaf.addressable_shards[0].data
+            )
+np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
+
+# A sum with no other collective in its program, so nothing else waits for the peer.
+summed = jax.jit(
+    jax.shard_map(
+        lambda v: shm_sum(v, fdp.DATA_AXIS, timeout=2.0),
+        mesh=fdp.data_mesh(),
+        in_specs=P(fdp.DATA_AXIS),
+        out_specs=P(fdp.DATA_AXIS),
+        check_vma=False,
+    )
+)
+x = fdp.shard_batch(np.ones((1, 1001), np.float32))
+assert float(np.asarray(summed(x).addressable_shards[0].data)[0, 0]) == fdp.process_count()
+if rank == args.stall_rank:
+    time.sleep(5.0)
+started = time.monotonic()
+try:
+    jax.block_until_ready(summed(x))
+    message = "no error"
+except Exception as e:
+    message = f"{type(e).__name__} after {time.monotonic() - started:.1f} s: {e}"
+if rank == 0:
+    with open(os.path.join(args.out, "stall.txt"), "w") as f:
+        f.write(message)
