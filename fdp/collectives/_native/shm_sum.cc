@@ -23,6 +23,7 @@
 #include <mutex>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -96,11 +97,13 @@ std::vector<int> barrier(uint64_t epoch, double timeout_s) {
 }
 
 ffi::Error missing_error(const std::vector<int>& missing, uint64_t call, double timeout_s) {
+  char waited[32];
+  std::snprintf(waited, sizeof waited, "%g", timeout_s);
   std::string ranks;
   for (int q : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                     "fdp shared-memory all-reduce: rank " + std::to_string(g_group.rank) +
-                        " waited " + std::to_string(timeout_s) + " s at call " +
+                        " waited " + waited + " s at call " +
                         std::to_string(call) + " for rank(s) " + ranks +
                         ", which did not arrive (a peer that exited, hangs, or runs a "
                         "different program)");
