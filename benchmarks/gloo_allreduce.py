@@ -67,12 +67,16 @@ def worker(framework: str, sizes_mb: list[float], reps: int, out: str) -> None:
         from jax.sharding import PartitionSpec as P
 
         import fdp
-        from fdp.collectives._shm import shm_sum
+        from fdp.collectives._shm import ordered, shm_sum
+
+        def shm_total(v, axis):
+            with ordered():
+                return shm_sum(v, axis)
 
         jax.config.update("jax_num_cpu_devices", 1)
         fdp.init(initialization_timeout=120)
         rank, mesh = fdp.process_index(), fdp.data_mesh()
-        total = shm_sum if framework == "jax-shm" else jax.lax.psum
+        total = shm_total if framework == "jax-shm" else jax.lax.psum
         body = jax.shard_map(
             lambda v: total(v, "data"),
             mesh=mesh,

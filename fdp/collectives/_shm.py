@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -44,10 +45,9 @@ _HEADER = 64
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
-# The previous shared-memory sum of the program being traced (see ordered()).
-_chain: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
-    "fdp_shm_chain", default=None
-)
+# The last shared-memory sum of each program being traced, keyed by its trace (see _after).
+# (trace states compare with == and do not hash: a short list of [trace, last] pairs).
+_chain: contextvars.ContextVar[list[list[Any]]] = contextvars.ContextVar("fdp_shm_chain")
 
 
 def _cache_dir() -> Path:
@@ -109,9 +109,10 @@ def _capacity() -> int:
         mb = float(raw)
     except ValueError:
         mb = -1.0
-    if not mb > 0:
+    capacity = int(mb * 2**20) // 64 * 64 if mb > 0 else 0
+    if capacity <= 0:
         raise ValueError(f"{CAPACITY_ENV} must be a positive number of MiB, got {raw!r}.")
-    return int(mb * 2**20) // 64 * 64
+    return capacity
 
 
 def _host_id() -> str:
@@ -135,71 +136,87 @@ def _install(timeout: float) -> dict[str, Any]:
     capacity = _capacity()
     chunk, _, size = _layout(capacity, world)
     store = Store("fdp-shm", timeout=timeout)
-    store.set(f"host/{rank}", _host_id())
-    hosts = {q: store.get(f"host/{q}").decode() for q in range(world)}
-    others = sorted(q for q, h in hosts.items() if h != hosts[0])
+    store.set(f"host/{rank}", f"{capacity} {_host_id()}")
+    seen = {q: store.get(f"host/{q}").decode().split(" ", 1) for q in range(world)}
+    sizes = {q: int(c) for q, (c, _) in seen.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"{CAPACITY_ENV} must be the same in every process; got (rank: bytes) {sizes}."
+        )
+    others = sorted(q for q, (_, h) in seen.items() if h != seen[0][1])
     if others:
         raise ValueError(
             "comm_hook='shm_allreduce' needs every process on one host (shared memory); "
-            f"ranks {others} are not on rank 0's host {hosts[0]!r}. Use comm_hook='allreduce'."
+            f"ranks {others} are not on rank 0's host {seen[0][1]!r}. "
+            "Use comm_hook='allreduce'."
         )
     fd, path = tempfile.mkstemp(prefix=f"fdp-shm-{os.getpid()}-", dir="/dev/shm")
-    try:
-        os.ftruncate(fd, size)  # sparse: pages are taken when a bucket first touches them
-        mine = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    store.set(f"path/{rank}", path)
     maps: list[mmap.mmap] = []
     try:
+        os.ftruncate(fd, size)  # sparse: pages are taken by _reserve, bucket by bucket
+        mine = mmap.mmap(fd, size)
+        store.set(f"path/{rank}", path)
         for q in range(world):
             if q == rank:
                 maps.append(mine)
                 continue
             peer = store.get(f"path/{q}").decode()
-            pfd = os.open(peer, os.O_RDWR)
+            try:
+                pfd = os.open(peer, os.O_RDWR)
+            except FileNotFoundError as e:
+                raise ValueError(
+                    f"comm_hook='shm_allreduce': rank {q}'s {peer} is not visible here: the "
+                    "processes do not share /dev/shm (separate containers?). Use "
+                    "comm_hook='allreduce'."
+                ) from e
             try:
                 maps.append(mmap.mmap(pfd, size))
             finally:
                 os.close(pfd)
         store.set(f"mapped/{rank}", "1")
         store.wait([f"mapped/{q}" for q in range(world)])
+    except BaseException:
+        os.close(fd)
+        raise
     finally:
         os.unlink(path)  # every peer has it mapped (or the set-up failed): no file is left
     bases = (ctypes.c_void_p * world)(
         *[ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
     )
     lib.fdp_shm_install(rank, world, bases, capacity, chunk)
-    return {"maps": maps, "capacity": capacity, "world": world, "rank": rank, "reserved": 0}
+    return {
+        "maps": maps,
+        "fd": fd,
+        "capacity": capacity,
+        "world": world,
+        "rank": rank,
+        "reserved": 0,
+    }
 
 
 def _reserve(group: dict[str, Any], nbytes: int) -> None:
-    """Takes this process's pages for ``nbytes`` now, so a full ``/dev/shm`` is an error here."""
+    """Allocates this process's pages for buckets of ``nbytes`` (both slots, both parities).
+
+    ``posix_fallocate`` writes nothing (a step still running keeps its data) and
+    turns a full ``/dev/shm`` into an error here rather than a SIGBUS later.
+    """
     if nbytes <= group["reserved"]:
         return
-    _, parity, _ = _layout(group["capacity"], group["world"])
-    mine = group["maps"][group["rank"]]
+    world = group["world"]
+    _, parity, _ = _layout(group["capacity"], world)
+    share = (-(-nbytes // world) + 63) // 64 * 64
     try:
         for p in range(2):
             start = _HEADER + p * parity
-            view = np.frombuffer(mine, np.uint8, count=nbytes, offset=start)
-            view[:: mmap.PAGESIZE] = 0  # touch each page once (tmpfs allocates on touch)
-    except Exception as e:  # pragma: no cover - SIGBUS kills rather than raises
-        raise RuntimeError(f"/dev/shm could not hold {nbytes} bytes: {e}") from e
-    group["reserved"] = nbytes
-
-
-def _check_space(nbytes: int, world: int) -> None:
-    stat = os.statvfs("/dev/shm")
-    free = stat.f_bavail * stat.f_frsize
-    need = 2 * (nbytes + -(-nbytes // world)) * world
-    if need > free:
+            os.posix_fallocate(group["fd"], start, nbytes)
+            os.posix_fallocate(group["fd"], start + group["capacity"], share)
+    except OSError as e:
         raise ValueError(
-            f"comm_hook='shm_allreduce': a {nbytes / 2**20:.1f} MiB bucket needs "
-            f"{need / 2**20:.1f} MiB of /dev/shm across {world} processes, and /dev/shm has "
-            f"{free / 2**20:.1f} MiB free (in Docker: --shm-size). Use smaller buckets "
-            "(bucket_cap_mb) or comm_hook='allreduce'."
-        )
+            f"comm_hook='shm_allreduce': /dev/shm could not hold this process's slots for a "
+            f"{nbytes / 2**20:.1f} MiB bucket ({e.strerror}); in Docker raise --shm-size, or "
+            "use a smaller bucket_cap_mb or comm_hook='allreduce'."
+        ) from e
+    group["reserved"] = nbytes
 
 
 def group(nbytes: int, timeout: float) -> dict[str, Any]:
@@ -214,24 +231,30 @@ def group(nbytes: int, timeout: float) -> dict[str, Any]:
             f"shared-memory capacity of {capacity / 2**20:.0f} MiB; set {CAPACITY_ENV} "
             "higher (before the first step) or use a smaller bucket_cap_mb."
         )
-    if nbytes > with_group["reserved"]:
-        _check_space(nbytes, with_group["world"])
-        _reserve(with_group, nbytes)
+    _reserve(with_group, nbytes)
     return with_group
 
 
 @contextlib.contextmanager
 def ordered() -> Iterator[None]:
-    """Chains the shared-memory sums traced inside it, so each waits for the one before.
+    """Scope in which the shared-memory sums of one program are chained in trace order.
 
-    Every process must run its sums in the same order; XLA could otherwise run
-    two independent ones at once.
+    Every process must run its sums in the same order, and XLA could otherwise run two
+    independent ones at once: each sum takes the previous sum *of the same trace* as an
+    (unread) operand. Nested scopes share the outer one's chains.
     """
-    token = _chain.set([None])
+    if _chain.get(None) is not None:
+        yield
+        return
+    token = _chain.set([])
     try:
         yield
     finally:
         _chain.reset(token)
+
+
+def _trace() -> Any:
+    return jax.extend.core.get_opaque_trace_state(convention="flax")
 
 
 def check_usable(axis_name: AxisName) -> None:
@@ -265,12 +288,22 @@ def shm_sum(x: jax.Array, axis_name: AxisName, *, timeout: float = 300.0) -> jax
     """
     check_usable(axis_name)
     if jnp.dtype(x.dtype) not in DTYPES:
-        raise TypeError(f"shm_sum sums float32 and float64 arrays, got {x.dtype}.")
-    if jax.process_count() == 1:
+        raise TypeError(f"shm_sum: x must be float32 or float64, got x.dtype={x.dtype}.")
+    if jax.process_count() == 1 or x.size == 0:
         return x
+    chain = _chain.get(None)
+    if chain is None:
+        raise RuntimeError(
+            "shm_sum runs inside fdp.collectives._shm.ordered() (the comm hook's bucket "
+            "loop opens it), so that every process runs its sums in one order."
+        )
     group(x.size * x.dtype.itemsize, timeout)
-    chain = _chain.get()
-    after = chain[0] if chain is not None and chain[0] is not None else jnp.zeros(1, x.dtype)
+    trace = _trace()
+    link = next((pair for pair in chain if pair[0] == trace), None)
+    if link is None:
+        link = [trace, jnp.zeros(1, x.dtype)]
+        chain.append(link)
+    after = link[1]
     call = jax.ffi.ffi_call(
         TARGET,
         jax.ShapeDtypeStruct((x.size,), x.dtype),
@@ -279,6 +312,5 @@ def shm_sum(x: jax.Array, axis_name: AxisName, *, timeout: float = 300.0) -> jax
     )
     # ``after`` is not read: it orders this call after the previous one.
     out = call(x.reshape(-1), after.astype(x.dtype), timeout_s=np.float64(timeout))
-    if chain is not None:
-        chain[0] = out[:1]
+    link[1] = out[:1]
     return out.reshape(x.shape)

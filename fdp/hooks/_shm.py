@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from fdp.collectives import _shm
 from fdp.collectives._axis import axis_size
-from fdp.hooks._contract import CommHook, GradBucket, HookState, mean_all_reduce, stateless_init
+from fdp.hooks._contract import CommHook, GradBucket, HookState, stateless_init
 
 
 @functools.cache
@@ -25,9 +25,9 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
 
     Needs one CPU device per process, every process of the run on one host, and
     a C++ compiler at the first step (the FFI file is compiled once and cached
-    under ``~/.cache/fdp``). float32 and float64 buckets go through shared
-    memory; buckets of other dtypes through XLA's all-reduce. Not for ZeRO
-    stages 2 and 3 (no reduce-scatter form).
+    under ``~/.cache/fdp``). float32 and float64 buckets are summed as they are;
+    narrower float buckets (bfloat16, float16) are divided and summed in float32,
+    then cast back. Not for ZeRO stages 2 and 3 (no reduce-scatter form).
 
     Args:
       timeout: seconds a process waits for a peer at a bucket; past it the
@@ -44,12 +44,12 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
         size = axis_size(bucket.axis_name)
         out = []
         for v in values:
-            if jnp.dtype(v.dtype) in _shm.DTYPES:
-                out.append(
-                    _shm.shm_sum(v / jnp.asarray(size, v.dtype), bucket.axis_name, timeout=timeout)
-                )
-            else:
-                out.append(mean_all_reduce([v], bucket.axis_name)[0])
+            # Narrower floats (bfloat16, float16) are divided and summed in float32.
+            wide = v if jnp.dtype(v.dtype) in _shm.DTYPES else v.astype(jnp.float32)
+            total = _shm.shm_sum(
+                wide / jnp.asarray(size, wide.dtype), bucket.axis_name, timeout=timeout
+            )
+            out.append(total.astype(v.dtype))
         return (out[0] if bucket.layout == "flat" else out), state
 
     return CommHook("shm_allreduce", stateless_init, reduce, vma_safe=False)

@@ -27,7 +27,7 @@ def two_processes(tmp_path_factory):
         left = survivors(tag)
     assert done.returncode == 0 and not left, done.output
     ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
-    return ranks, (out / "stall.txt").read_text()
+    return ranks, [(out / f"stall{r}.txt").read_text() for r in range(2)]
 
 
 @pytest.mark.multiprocess
@@ -63,11 +63,13 @@ def test_leaf_buckets_match_gloo_and_every_rank_agrees(two_processes):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_stalled_peer_is_an_error_naming_its_rank(two_processes):
-    _, stall = two_processes
+    _, (stall, late) = two_processes
     assert stall.startswith("JaxRuntimeError"), stall
     assert "for rank(s) 1, which did not arrive" in stall
     seconds = float(stall.split(" after ")[1].split(" s:")[0])
     assert 1.9 <= seconds < 4.5, stall  # the 2 s timeout, not rank 1's 5 s sleep
+    # The late rank is not left waiting, nor handed stale data: the group is closed.
+    assert "rank 0 failed an earlier sum, so this group is unusable" in late, late
 
 
 def test_one_process_with_several_devices_is_refused_with_the_fix():

@@ -6,7 +6,7 @@ Under `fdp launch`, one CPU device per process: 4 Adam steps of a small MLP with
 tiny buckets (several per step), both layouts, each hook; each rank writes its final
 parameters to DIR/rank{R}.npz. The layers have odd widths, so buffers split unevenly
 between processes. Then rank R sleeps before one more shared-memory sum whose peers wait
-2 s: rank 0 writes the error it got to DIR/stall.txt.
+2 s: each rank writes the error it got to DIR/stall{R}.txt.
 """
 
 import argparse
@@ -29,7 +29,7 @@ from flax.training.train_state import TrainState  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fdp  # noqa: E402
-from fdp.collectives._shm import shm_sum  # noqa: E402
+from fdp.collectives._shm import ordered, shm_sum  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _models import MLP, cross_entropy, make_data  # noqa: E402
@@ -62,10 +62,16 @@ for layout in ("flat", "leaves"):
             )
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
 
+
+def one_sum(v):
+    with ordered():
+        return shm_sum(v, fdp.DATA_AXIS, timeout=2.0)
+
+
 # A sum with no other collective in its program, so nothing else waits for the peer.
 summed = jax.jit(
     jax.shard_map(
-        lambda v: shm_sum(v, fdp.DATA_AXIS, timeout=2.0),
+        one_sum,
         mesh=fdp.data_mesh(),
         in_specs=P(fdp.DATA_AXIS),
         out_specs=P(fdp.DATA_AXIS),
@@ -82,6 +88,5 @@ try:
     message = "no error"
 except Exception as e:
     message = f"{type(e).__name__} after {time.monotonic() - started:.1f} s: {e}"
-if rank == 0:
-    with open(os.path.join(args.out, "stall.txt"), "w") as f:
-        f.write(message)
+with open(os.path.join(args.out, f"stall{rank}.txt"), "w") as f:
+    f.write(message)

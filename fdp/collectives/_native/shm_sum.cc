@@ -51,9 +51,16 @@ std::atomic<uint64_t>* epoch_of(int rank) {
   return reinterpret_cast<std::atomic<uint64_t>*>(g_group.bases[rank]);
 }
 
-// The byte size of the call a rank is in (written before its first barrier).
-std::atomic<int64_t>* size_of(int rank) {
+// The call a rank is in: its byte size * 256 + XLA's element type (written before the
+// first barrier), so that ranks in different calls never sum each other's data.
+std::atomic<int64_t>* call_of(int rank) {
   return reinterpret_cast<std::atomic<int64_t>*>(g_group.bases[rank] + 8);
+}
+
+// Nonzero once a rank's call failed: the group is unusable from then on (a late peer
+// could otherwise pass a barrier and read a stale slot).
+std::atomic<uint64_t>* failed_of(int rank) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(g_group.bases[rank] + 16);
 }
 
 char* input_slot(int rank, int parity) {
@@ -74,6 +81,9 @@ std::vector<int> barrier(uint64_t epoch, double timeout_s) {
       all = epoch_of(q)->load(std::memory_order_acquire) >= epoch;
     }
     if (all) return {};
+    for (int q = 0; q < g_group.world; ++q) {
+      if (failed_of(q)->load(std::memory_order_acquire) != 0) return {-1 - q};
+    }
     ++spins;
     if (spins < 4096) {
       continue;
@@ -96,17 +106,29 @@ std::vector<int> barrier(uint64_t epoch, double timeout_s) {
   }
 }
 
+// Marks this process's group failed (seen by every peer's next barrier) and returns `e`.
+ffi::Error fail(ffi::Error e) {
+  failed_of(g_group.rank)->store(1, std::memory_order_release);
+  return e;
+}
+
 ffi::Error missing_error(const std::vector<int>& missing, uint64_t call, double timeout_s) {
+  if (missing.size() == 1 && missing[0] < 0) {
+    return fail(ffi::Error(ffi::ErrorCode::kAborted,
+                           "fdp shared-memory all-reduce: rank " + std::to_string(-1 - missing[0]) +
+                               " failed an earlier sum, so this group is unusable: restart "
+                               "the processes"));
+  }
   char waited[32];
   std::snprintf(waited, sizeof waited, "%g", timeout_s);
   std::string ranks;
   for (int q : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+  return fail(ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                     "fdp shared-memory all-reduce: rank " + std::to_string(g_group.rank) +
                         " waited " + waited + " s at call " +
                         std::to_string(call) + " for rank(s) " + ranks +
                         ", which did not arrive (a peer that exited, hangs, or runs a "
-                        "different program)");
+                        "different program)"));
 }
 
 // Sums elements [lo, hi) over ranks 0..P-1 in that order into `result` (read by the
@@ -135,7 +157,7 @@ void sum_chunk(const T* mine, int parity, int64_t lo, int64_t hi, T* out, T* res
 }
 
 template <typename T>
-ffi::Error run(const T* x, T* out, int64_t n, double timeout_s) {
+ffi::Error run(const T* x, T* out, int64_t n, int64_t dtype, double timeout_s) {
   if (g_group.world == 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "fdp shared-memory all-reduce: no group in this process (the step "
@@ -143,12 +165,17 @@ ffi::Error run(const T* x, T* out, int64_t n, double timeout_s) {
   }
   const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
   if (bytes > g_group.capacity) {
-    return ffi::Error(ffi::ErrorCode::kOutOfRange,
+    return fail(ffi::Error(ffi::ErrorCode::kOutOfRange,
                       "fdp shared-memory all-reduce: a buffer of " + std::to_string(bytes) +
                           " bytes exceeds the group's capacity of " +
-                          std::to_string(g_group.capacity) + " bytes");
+                          std::to_string(g_group.capacity) + " bytes"));
   }
   std::lock_guard<std::mutex> lock(g_mutex);
+  if (failed_of(g_group.rank)->load(std::memory_order_relaxed) != 0) {
+    return ffi::Error(ffi::ErrorCode::kAborted,
+                      "fdp shared-memory all-reduce: an earlier sum of this process failed, "
+                      "so this group is unusable: restart the processes");
+  }
   const uint64_t call = g_group.calls++;
   const int parity = static_cast<int>(call & 1);
   const int world = g_group.world, rank = g_group.rank;
@@ -159,18 +186,20 @@ ffi::Error run(const T* x, T* out, int64_t n, double timeout_s) {
     int64_t lo = q * chunk, hi = std::min(n, lo + chunk);
     if (hi > lo) std::memcpy(slot + lo, x + lo, (hi - lo) * sizeof(T));
   }
-  size_of(rank)->store(bytes, std::memory_order_relaxed);
+  const int64_t mine_call = bytes * 256 + dtype;
+  call_of(rank)->store(mine_call, std::memory_order_relaxed);
   auto missing = barrier(2 * call + 1, timeout_s);
   if (!missing.empty()) return missing_error(missing, call, timeout_s);
   for (int q = 0; q < world; ++q) {
-    int64_t theirs = size_of(q)->load(std::memory_order_relaxed);
-    if (theirs != bytes) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        "fdp shared-memory all-reduce: at call " + std::to_string(call) +
-                            " rank " + std::to_string(rank) + " sums " + std::to_string(bytes) +
-                            " bytes but rank " + std::to_string(q) + " sums " +
-                            std::to_string(theirs) +
-                            " (the processes run different programs or buckets)");
+    int64_t theirs = call_of(q)->load(std::memory_order_relaxed);
+    if (theirs != mine_call) {
+      return fail(ffi::Error(
+          ffi::ErrorCode::kFailedPrecondition,
+          "fdp shared-memory all-reduce: at call " + std::to_string(call) + " rank " +
+              std::to_string(rank) + " sums " + std::to_string(bytes) + " bytes of type " +
+              std::to_string(dtype) + " but rank " + std::to_string(q) + " sums " +
+              std::to_string(theirs / 256) + " bytes of type " + std::to_string(theirs % 256) +
+              " (the processes run different programs or buckets)"));
     }
   }
   int64_t lo = rank * chunk, hi = std::min(n, lo + chunk);
@@ -194,10 +223,12 @@ ffi::Error ShmSumImpl(ffi::AnyBuffer x, ffi::AnyBuffer after, ffi::Result<ffi::A
   switch (x.element_type()) {
     case ffi::DataType::F32:
       return run<float>(reinterpret_cast<const float*>(x.untyped_data()),
-                        reinterpret_cast<float*>(out->untyped_data()), n, timeout_s);
+                        reinterpret_cast<float*>(out->untyped_data()), n,
+                        static_cast<int64_t>(x.element_type()), timeout_s);
     case ffi::DataType::F64:
       return run<double>(reinterpret_cast<const double*>(x.untyped_data()),
-                         reinterpret_cast<double*>(out->untyped_data()), n, timeout_s);
+                         reinterpret_cast<double*>(out->untyped_data()), n,
+                         static_cast<int64_t>(x.element_type()), timeout_s);
     default:
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         "fdp shared-memory all-reduce sums float32 and float64 only");
