@@ -45,8 +45,8 @@ _HEADER = 64
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
-# The last shared-memory sum of each program being traced, keyed by its trace (see _after).
-# (trace states compare with == and do not hash: a short list of [trace, last] pairs).
+# Inside ordered(): the last shared-memory sum of each trace, as [trace state, last]
+# pairs (trace states compare with == but do not hash); see shm_sum.
 _chain: contextvars.ContextVar[list[list[Any]]] = contextvars.ContextVar("fdp_shm_chain")
 
 
@@ -120,9 +120,14 @@ def _host_id() -> str:
     return f"{os.uname().nodename}/{boot.read_text().strip() if boot.exists() else ''}"
 
 
+def _share(nbytes: int, world: int) -> int:
+    """Bytes of one process's share of an ``nbytes`` buffer, rounded up to 64."""
+    return (-(-nbytes // world) + 63) // 64 * 64
+
+
 def _layout(capacity: int, world: int) -> tuple[int, int, int]:
     """(chunk capacity, bytes of one parity, file size) of one process's region."""
-    chunk = (-(-capacity // world) + 63) // 64 * 64
+    chunk = _share(capacity, world)
     parity = capacity + chunk
     return chunk, parity, _HEADER + 2 * parity
 
@@ -204,7 +209,7 @@ def _reserve(group: dict[str, Any], nbytes: int) -> None:
         return
     world = group["world"]
     _, parity, _ = _layout(group["capacity"], world)
-    share = (-(-nbytes // world) + 63) // 64 * 64
+    share = _share(nbytes, world)
     try:
         for p in range(2):
             start = _HEADER + p * parity
@@ -221,18 +226,18 @@ def _reserve(group: dict[str, Any], nbytes: int) -> None:
 
 def group(nbytes: int, timeout: float) -> dict[str, Any]:
     """This process's group, set up at its first use, with room for ``nbytes``."""
-    with_group = _state.get("group")
-    if with_group is None:
-        with_group = _state["group"] = _install(timeout)
-    capacity = with_group["capacity"]
+    mine = _state.get("group")
+    if mine is None:
+        mine = _state["group"] = _install(timeout)
+    capacity = mine["capacity"]
     if nbytes > capacity:
         raise ValueError(
             f"comm_hook='shm_allreduce': a bucket of {nbytes / 2**20:.1f} MiB exceeds the "
             f"shared-memory capacity of {capacity / 2**20:.0f} MiB; set {CAPACITY_ENV} "
             "higher (before the first step) or use a smaller bucket_cap_mb."
         )
-    _reserve(with_group, nbytes)
-    return with_group
+    _reserve(mine, nbytes)
+    return mine
 
 
 @contextlib.contextmanager
