@@ -173,7 +173,9 @@ def test_a_second_run_and_a_stranger_on_the_port_leave_the_first_run_training(tm
         # The first run trains on, and ends well.
         before = steps(first_dir, 1)
         wait_for(lambda: steps(first_dir, 1) >= before + 3)
-        (first_dir / "finish").write_text("")
+        # Both ranks stop after the same step, far enough ahead that neither has done it.
+        (first_dir / "finish.tmp").write_text(str(max(steps(first_dir, r) for r in (0, 1)) + 25))
+        (first_dir / "finish.tmp").rename(first_dir / "finish")
         result = finish(first, 60, started)
     finally:
         if first.poll() is None:

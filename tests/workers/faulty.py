@@ -4,8 +4,10 @@
 
 After its step STEP, rank RANK writes the time to OUTDIR/fault and then, by MODE:
 `stop` (SIGSTOP to itself: a hang), `kill` (SIGKILL), `raise` (an exception), or
-`none` (nothing). Every rank then trains on until OUTDIR/finish exists (`none`) or it
-is stopped; each writes OUTDIR/steps_<rank> with its step count as it goes.
+`none` (nothing). Every rank then trains on until it is stopped or (`none`) has done the
+step number written in OUTDIR/finish, so that all ranks leave the loop after the same
+step (a rank that left one step early would leave its peer waiting in that step's
+all-reduce); each writes OUTDIR/steps_<rank> with its step count as it goes.
 """
 
 import os
@@ -33,6 +35,14 @@ def loss_fn(params, batch):
     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
 
 
+def last_step(outdir):
+    try:
+        with open(os.path.join(outdir, "finish")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 62
+
+
 state = fdp.replicate(
     TrainState.create(apply_fn=None, params={"w": jnp.zeros((4, 1))}, tx=optax.sgd(0.01))
 )
@@ -53,7 +63,7 @@ for n in range(1, 100_000):
             os.kill(os.getpid(), signal.SIGKILL)
         elif mode == "raise":
             raise RuntimeError(f"rank {rank} failed on purpose after step {n}")
-    if mode == "none" and os.path.exists(os.path.join(outdir, "finish")):
+    if mode == "none" and n >= last_step(outdir):
         break
     time.sleep(0.02)
 print(f"rank {rank} done after step {n}", flush=True)
