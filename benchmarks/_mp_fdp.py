@@ -122,6 +122,11 @@ if rank == 0:
             if cap == "auto"
             else None
         ),
+        tuned_race_s=(
+            {f"{c}/{lay}": s for (c, lay), s in step.tuned.race_s.items()}
+            if cap == "auto"
+            else None
+        ),
         comm_hook=args.comm_hook,
         trivial_loss=args.trivial_loss,
         fold_dots=step.config.fold_dots,

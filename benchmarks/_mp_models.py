@@ -1,9 +1,12 @@
-"""The same two models for JAX and PyTorch, built from the same numpy weights.
+"""The same three models for JAX and PyTorch, built from the same numpy weights.
 
 - ``mlp``: 8 hidden layers of 1024 with ReLU and a 10-way classifier (8.4M
   parameters), cross-entropy, plain SGD.
 - ``transformer``: a pre-LayerNorm causal transformer (4 layers, width 256, 4 heads,
   sequence 64, vocabulary 2048; 4.2M parameters), next-token cross-entropy, plain SGD.
+- ``cnn``: five 3x3 convolutions (32, 64, 128, 256, 256 channels; strides 1, 2, 2,
+  1, 2) with ReLU on 32x32x3 images, global average pooling and a 10-way classifier
+  (0.98M parameters, most of them in the convolutions), cross-entropy, plain SGD.
 
 Both frameworks compute the same functions (tanh GELU, LayerNorm eps 1e-5), so the
 benchmark compares how they run the same arithmetic, not different models.
@@ -11,10 +14,15 @@ benchmark compares how they run the same arithmetic, not different models.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 MLP_WIDTH, MLP_DEPTH, MLP_CLASSES = 1024, 8, 10
 TF = {"vocab": 2048, "dim": 256, "heads": 4, "layers": 4, "seq": 64}
+# (output channels, stride) of each 3x3 convolution; padding 1 on every side.
+CNN_CONVS = ((32, 1), (64, 2), (128, 2), (256, 1), (256, 2))
+CNN_IMAGE, CNN_CLASSES = 32, 10
 LR = 0.01
 
 
@@ -26,12 +34,27 @@ def _dense(rng: np.random.Generator, n_in: int, n_out: int) -> dict[str, np.ndar
     }
 
 
+def _conv(rng: np.random.Generator, n_in: int, n_out: int) -> dict[str, np.ndarray]:
+    bound = 1.0 / np.sqrt(9 * n_in)
+    return {
+        "w": rng.uniform(-bound, bound, size=(3, 3, n_in, n_out)).astype(np.float32),
+        "b": np.zeros(n_out, np.float32),
+    }
+
+
 def init_params(model: str, seed: int = 0) -> dict:
-    """Initial weights as nested dicts of numpy arrays (``w`` is ``[in, out]``)."""
+    """Initial weights as nested dicts of numpy arrays (dense ``w`` is ``[in, out]``,
+    convolution ``w`` is ``[3, 3, in, out]``)."""
     rng = np.random.default_rng(seed)
     if model == "mlp":
         layers = [_dense(rng, MLP_WIDTH, MLP_WIDTH) for _ in range(MLP_DEPTH)]
         return {"layers": layers, "out": _dense(rng, MLP_WIDTH, MLP_CLASSES)}
+    if model == "cnn":
+        channels = [3] + [c for c, _ in CNN_CONVS]
+        return {
+            "convs": [_conv(rng, a, b) for a, b in itertools.pairwise(channels)],
+            "out": _dense(rng, CNN_CONVS[-1][0], CNN_CLASSES),
+        }
     d = TF["dim"]
     blocks = []
     for _ in range(TF["layers"]):
@@ -66,6 +89,13 @@ def make_batches(model: str, batch: int, count: int, seed: int) -> list[dict[str
                 {
                     "x": rng.normal(size=(batch, MLP_WIDTH)).astype(np.float32),
                     "y": rng.integers(0, MLP_CLASSES, size=batch).astype(np.int32),
+                }
+            )
+        elif model == "cnn":  # NHWC images
+            out.append(
+                {
+                    "x": rng.normal(size=(batch, CNN_IMAGE, CNN_IMAGE, 3)).astype(np.float32),
+                    "y": rng.integers(0, CNN_CLASSES, size=batch).astype(np.int32),
                 }
             )
         else:
@@ -117,7 +147,19 @@ def jax_loss(model: str):
             x = x + dense(blk["fc2"], jax.nn.gelu(dense(blk["fc1"], y), approximate=True))
         return dense(params["head"], layer_norm(params["ln"], x))
 
-    forward = mlp if model == "mlp" else transformer
+    def cnn(params, x):
+        for p, (_, stride) in zip(params["convs"], CNN_CONVS, strict=True):
+            x = jax.lax.conv_general_dilated(
+                x,
+                p["w"],
+                (stride, stride),
+                ((1, 1), (1, 1)),
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            )
+            x = jax.nn.relu(x + p["b"])
+        return dense(params["out"], x.mean(axis=(1, 2)))
+
+    forward = {"mlp": mlp, "cnn": cnn, "transformer": transformer}[model]
 
     def loss_fn(params, batch):
         logits = forward(params, batch["x"])
@@ -163,6 +205,31 @@ def torch_module(model: str, params: dict):
                 return self.out(x)
 
         return MLP()
+
+    if model == "cnn":
+
+        def conv(p, stride):
+            layer = nn.Conv2d(p["w"].shape[2], p["w"].shape[3], 3, stride=stride, padding=1)
+            with torch.no_grad():  # [3, 3, in, out] -> [out, in, 3, 3]
+                layer.weight.copy_(torch.from_numpy(p["w"].transpose(3, 2, 0, 1).copy()))
+                layer.bias.copy_(torch.from_numpy(p["b"]))
+            return layer
+
+        class CNN(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.convs = nn.ModuleList(
+                    conv(p, s) for p, (_, s) in zip(params["convs"], CNN_CONVS, strict=True)
+                )
+                self.out = linear(params["out"])
+
+            def forward(self, x):  # NHWC in, as for JAX
+                x = x.permute(0, 3, 1, 2)
+                for layer in self.convs:
+                    x = torch.relu(layer(x))
+                return self.out(x.mean(dim=(2, 3)))
+
+        return CNN()
 
     class Block(nn.Module):
         def __init__(self, p):

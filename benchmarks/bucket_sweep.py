@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--mlp-batch", type=int, default=64)
     parser.add_argument("--transformer-batch", type=int, default=16)
+    parser.add_argument("--cnn-batch", type=int, default=32)
     parser.add_argument("--auto", action="store_true", help='also run fdp with "auto"')
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
@@ -192,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(f)
         plot(saved["rows"], args.png, saved["meta"]["title"])
         return 0
-    args.batch = {"mlp": args.mlp_batch, "transformer": args.transformer_batch}
+    args.batch = {
+        "mlp": args.mlp_batch,
+        "transformer": args.transformer_batch,
+        "cnn": args.cnn_batch,
+    }
     args.fdp_args, args.launch_args = [], []
 
     rows = summarise(sweep(args), args)

@@ -1,7 +1,8 @@
 """Choosing ``bucket_cap_mb`` and ``layout`` by timing the step (Horovod autotune's job).
 
 :func:`tune` compiles the step at a few candidate caps and layouts, times the distinct
-programs in interleaved rounds on copies of the state, and returns the fastest, keeping
+programs in interleaved rounds on copies of the state (a short screening of all, then a
+longer race between DDP's default and the fastest few), and returns the fastest, keeping
 DDP's default unless another candidate beats it by more than ``margin``. Results are
 cached per model signature, batch, mesh, platform and step settings, in this process.
 ``fdp.train_step(bucket_cap_mb="auto")`` does the same at its first call.
@@ -22,8 +23,12 @@ from fdp.runtime._memory import release_free_memory
 
 DEFAULT_CAPS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
 DEFAULT_LAYOUTS: tuple[str, ...] = ("auto", "flat", "leaves")
-# How "auto" times candidates (fdp.tune's defaults).
-STEPS, ROUNDS, WARMUP, MARGIN = 3, 3, 1, 0.03
+# How "auto" times candidates (fdp.tune's defaults): every distinct program for ROUNDS
+# rounds of STEPS steps, then the default and the FINALISTS - 1 fastest others for
+# RACE_ROUNDS more (the screening alone was too short to separate caps 3-8% apart on a
+# 2-process CPU run, where one round's time varies by 5-10%).
+STEPS, ROUNDS, WARMUP, MARGIN = 3, 3, 1, 0.02
+FINALISTS, RACE_ROUNDS = 3, 8
 _DEFAULT = (25.0, "auto")
 
 _CACHE: dict[tuple, TuneResult] = {}
@@ -35,11 +40,15 @@ class TuneResult(NamedTuple):
     Attributes:
       bucket_cap_mb: the chosen cap (MiB).
       layout: the chosen layout.
-      step_s: median step seconds of each timed candidate, ``{(cap, layout): s}``
-        (with several processes, the slowest process's time). Candidates that
-        compiled to the same program as an earlier one are not timed again.
+      step_s: median step seconds of each timed candidate in the screening,
+        ``{(cap, layout): s}`` (with several processes, the slowest process's time).
+        Candidates that compiled to the same program as an earlier one are not
+        timed again.
       same_program: ``{(cap, layout): (cap, layout)}``: candidates whose
         compiled program equals the timed one they map to.
+      race_s: median step seconds of the finalists in the race that decided
+        (empty when there was one distinct program, ``finalists=1`` or
+        ``race_rounds=0``: then the screening decided).
       cached: the result came from this process's cache; nothing was timed.
     """
 
@@ -47,6 +56,7 @@ class TuneResult(NamedTuple):
     layout: str
     step_s: dict[tuple[float, str], float]
     same_program: dict[tuple[float, str], tuple[float, str]]
+    race_s: dict[tuple[float, str], float]
     cached: bool = False
 
     def kwargs(self) -> dict[str, Any]:
@@ -104,6 +114,30 @@ def _slowest(times: list[float]) -> list[float]:
     return [max(ts) for ts in zip(*gathered, strict=True)]
 
 
+def _time_rounds(
+    steps_of: dict[tuple[float, str], Any],
+    states: dict[tuple[float, str], Any],
+    cands: list[tuple[float, str]],
+    rounds: int,
+    steps: int,
+    args: tuple,
+) -> dict[tuple[float, str], float]:
+    """Median seconds per step of each of ``cands`` over ``rounds`` interleaved rounds.
+
+    Each round runs ``steps`` steps of every candidate, in an order rotated by one
+    each round; ``states`` holds each candidate's state copy and is advanced in place.
+    """
+    times: dict[tuple[float, str], list[float]] = {c: [] for c in cands}
+    for r in range(rounds):
+        for cand in cands[r % len(cands) :] + cands[: r % len(cands)]:
+            start = time.perf_counter()
+            for _ in range(steps):
+                states[cand], _ = steps_of[cand](states[cand], *args)
+            jax.block_until_ready(states[cand])
+            times[cand].append((time.perf_counter() - start) / steps)
+    return {c: statistics.median(_slowest(times[c])) for c in cands}
+
+
 def tune(
     loss_fn: Callable[..., Any],
     state: Any,
@@ -117,6 +151,8 @@ def tune(
     rounds: int = ROUNDS,
     warmup: int = WARMUP,
     margin: float = MARGIN,
+    finalists: int = FINALISTS,
+    race_rounds: int = RACE_ROUNDS,
     make_step: Callable[..., Any] | None = None,
     **step_kwargs: Any,
 ) -> TuneResult:
@@ -126,9 +162,12 @@ def tune(
     (XLA:CPU merges all-reduces on one process, so caps often do not matter there)
     are timed once. The distinct programs run ``warmup`` steps, then ``rounds``
     interleaved rounds of ``steps`` steps each on copies of ``state`` (the caller's
-    arrays are not donated or changed). The fastest median wins unless it beats
-    DDP's default (``bucket_cap_mb=25``, ``layout="auto"``) by less than ``margin``,
-    in which case the default is kept: tuning never trades the default for noise.
+    arrays are not donated or changed): the screening. DDP's default
+    (``bucket_cap_mb=25``, ``layout="auto"``) and the ``finalists - 1`` fastest
+    other programs then race for ``race_rounds`` more interleaved rounds, and the
+    race decides: the fastest median wins unless it beats the default by less than
+    ``margin``, in which case the default is kept: tuning never trades the default
+    for noise.
     The choice is logged at INFO on the ``"fdp"`` logger and cached in this process
     for the same model signature, batch shapes, mesh, platform and settings. With
     several processes every process must call it (it runs steps); all get process
@@ -146,6 +185,9 @@ def tune(
       rounds: timed rounds (each runs every distinct program once, rotating order).
       warmup: untimed steps of each program first.
       margin: the fraction by which a candidate must beat the default to replace it.
+      finalists: programs in the race, the default included (1: no race; the
+        screening decides).
+      race_rounds: rounds of the race (0: no race).
       make_step: the step factory (default :func:`fdp.train_step`).
       **step_kwargs: the step's other settings (``mesh``, ``comm_hook``...).
 
@@ -154,7 +196,8 @@ def tune(
       builds the chosen step.
 
     Raises:
-      ValueError: no candidates, or ``steps``/``rounds`` below 1.
+      ValueError: no candidates, ``steps``/``rounds``/``finalists`` below 1, or
+        ``warmup``/``race_rounds`` below 0.
 
     Example:
       >>> import jax.numpy as jnp, optax, fdp
@@ -181,6 +224,8 @@ def tune(
         rounds=rounds,
         warmup=warmup,
         margin=margin,
+        finalists=finalists,
+        race_rounds=race_rounds,
         make_step=make_step,
         copy=_copy,
         step_kwargs=step_kwargs,
@@ -199,6 +244,8 @@ def _tune(
     rounds: int,
     warmup: int,
     margin: float,
+    finalists: int,
+    race_rounds: int,
     make_step: Callable[..., Any],
     copy: Callable[[Any], Any],
     step_kwargs: dict[str, Any],
@@ -209,14 +256,16 @@ def _tune(
         raise ValueError(
             f"tune needs at least one candidate; got caps={caps!r}, layouts={layouts!r}."
         )
-    if steps < 1 or rounds < 1 or warmup < 0:
+    if steps < 1 or rounds < 1 or finalists < 1 or warmup < 0 or race_rounds < 0:
         raise ValueError(
-            f"tune needs steps >= 1, rounds >= 1 and warmup >= 0; got steps={steps}, "
-            f"rounds={rounds}, warmup={warmup}."
+            "tune needs steps >= 1, rounds >= 1, finalists >= 1, warmup >= 0 and "
+            f"race_rounds >= 0; got steps={steps}, rounds={rounds}, finalists={finalists}, "
+            f"warmup={warmup}, race_rounds={race_rounds}."
         )
     # DDP's default is always a candidate, and first: it wins ties.
     candidates = (_DEFAULT, *(c for c in candidates if c != _DEFAULT))
-    key = _cache_key(state, batch, step_kwargs.get("mesh"), step_kwargs, candidates)
+    timing = (steps, rounds, warmup, margin, finalists, race_rounds)
+    key = _cache_key(state, batch, step_kwargs.get("mesh"), step_kwargs, (candidates, timing))
     if key in _CACHE:
         return _CACHE[key]._replace(cached=True)
 
@@ -243,34 +292,39 @@ def _tune(
         for _ in range(warmup):
             states[cand], _ = steps_of[cand](states[cand], batch, *extra)
         jax.block_until_ready(states[cand])
-    times: dict[tuple[float, str], list[float]] = {c: [] for c in timed}
-    for r in range(rounds):
-        order = timed[r % len(timed) :] + timed[: r % len(timed)]
-        for cand in order:
-            start = time.perf_counter()
-            for _ in range(steps):
-                states[cand], _ = steps_of[cand](states[cand], batch, *extra)
-            jax.block_until_ready(states[cand])
-            times[cand].append((time.perf_counter() - start) / steps)
-    del states, steps_of
+    args = (batch, *extra)
+    step_s = _time_rounds(steps_of, states, timed, rounds, steps, args)
+    # The race: the default and the fastest others of the screening, timed for longer
+    # (the others' state copies are dropped first).
+    others = sorted((c for c in timed if c != _DEFAULT), key=lambda c: step_s[c])
+    finals = [_DEFAULT, *others[: finalists - 1]]
+    finals = [(float(c), str(lay)) for c, lay in _same_everywhere([list(c) for c in finals])]
+    for cand in set(timed) - set(finals):
+        del states[cand], steps_of[cand]
+    race_s = {}
+    if len(finals) > 1 and race_rounds:
+        race_s = _time_rounds(steps_of, states, finals, race_rounds, steps, args)
+    decided = race_s or step_s
+    states.clear()
+    steps_of.clear()
     # The candidates' state copies were a one-off peak: with fdp's malloc tuning glibc
     # would keep it mapped for the whole run (measured: RSS 1.2 GiB against 0.57).
     release_free_memory()
-    step_s = {c: statistics.median(_slowest(times[c])) for c in timed}
-    best = min(timed, key=lambda c: step_s[c])
-    if step_s[best] > (1.0 - margin) * step_s[_DEFAULT]:
+    best = min(decided, key=lambda c: decided[c])
+    if decided[best] > (1.0 - margin) * decided[_DEFAULT]:
         best = _DEFAULT
     cap, layout = _same_everywhere(list(best))
     best = (float(cap), str(layout))
-    result = TuneResult(best[0], best[1], step_s, {k: v for k, v in same.items() if k != v})
+    result = TuneResult(best[0], best[1], step_s, {k: v for k, v in same.items() if k != v}, race_s)
     _CACHE[key] = result
     logger.info(
         "fdp.tune: chose bucket_cap_mb=%g layout=%r: %.2f ms per step against %.2f ms at "
-        "the default (25, 'auto'); %d candidates, %d distinct programs timed (%s)",
+        "the default (25, 'auto')%s; %d candidates, %d distinct programs screened (%s)",
         result.bucket_cap_mb,
         result.layout,
-        1e3 * step_s[same[best]],
-        1e3 * step_s[_DEFAULT],
+        1e3 * decided[same[best]],
+        1e3 * decided[_DEFAULT],
+        f" in a race of {race_rounds} rounds" if race_s else "",
         len(candidates),
         len(timed),
         ", ".join(f"{c[0]:g}/{c[1]}: {1e3 * s:.2f} ms" for c, s in step_s.items()),
@@ -319,6 +373,8 @@ class _AutoTuned:
                 rounds=ROUNDS,
                 warmup=WARMUP,
                 margin=MARGIN,
+                finalists=FINALISTS,
+                race_rounds=RACE_ROUNDS,
                 make_step=make_step,
                 copy=copy,
                 step_kwargs=settings,

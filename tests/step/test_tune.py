@@ -72,6 +72,42 @@ def test_a_margin_keeps_the_default_unless_beaten_clearly():
     assert (result.bucket_cap_mb, result.layout) == (25.0, "auto")
 
 
+def test_the_race_between_the_default_and_the_fastest_screened_decides(monkeypatch):
+    """Timings are faked: which candidates race, and that the race (not the screening)
+    decides, with the margin applied to the race's times."""
+    calls, race = [], {}
+
+    def fake_time_rounds(steps_of, states, cands, rounds, steps, args):
+        calls.append((list(cands), rounds))
+        if len(calls) == 1:  # screening: the others are faster, the last one fastest
+            return {c: 1.0 if c == _tune._DEFAULT else 0.9 - 0.1 * i for i, c in enumerate(cands)}
+        # the race: the second fastest of the screening (third finalist) wins
+        return {c: 1.0 if c == _tune._DEFAULT else race[cands.index(c)] for c in cands}
+
+    monkeypatch.setattr(_tune, "_time_rounds", fake_time_rounds)
+    state, loss_fn, batch = setup()
+    kwargs = dict(caps=(0.001, 0.01, 25.0), layouts=("flat", "leaves"), race_rounds=5, **FAST)
+    for times, keeps_default in (({1: 0.95, 2: 0.9}, False), ({1: 0.995, 2: 0.99}, True)):
+        calls.clear()
+        race.update(times)
+        _tune._CACHE.clear()
+        result = fdp.tune(loss_fn, state, batch, finalists=3, margin=0.03, **kwargs)
+        (screened, _), (finals, race_rounds) = calls
+        assert len(screened) >= 4 and race_rounds == 5
+        # The default and the two fastest others of the screening race.
+        assert finals == [_tune._DEFAULT, screened[-1], screened[-2]]
+        assert set(result.race_s) == set(finals)
+        chosen = (result.bucket_cap_mb, result.layout)
+        assert chosen == (_tune._DEFAULT if keeps_default else screened[-2])
+
+    # No race with one finalist: the screening decides.
+    calls.clear()
+    _tune._CACHE.clear()
+    result = fdp.tune(loss_fn, state, batch, finalists=1, **kwargs)
+    assert len(calls) == 1 and result.race_s == {}
+    assert (result.bucket_cap_mb, result.layout) == calls[0][0][-1]
+
+
 def test_auto_step_tunes_at_its_first_call_and_trains_like_the_chosen_step(monkeypatch):
     monkeypatch.setattr(_tune, "DEFAULT_CAPS", (1.0, 25.0))  # fewer programs to compile
     state, loss_fn, batch = setup()
@@ -97,6 +133,8 @@ def test_bad_settings_are_named():
         fdp.tune(loss_fn, state, batch, steps=0)
     with pytest.raises(ValueError, match="at least one candidate"):
         fdp.tune(loss_fn, state, batch, caps=())
+    with pytest.raises(ValueError, match="finalists=0"):
+        fdp.tune(loss_fn, state, batch, finalists=0)
 
 
 def _nnx_setup():
