@@ -90,6 +90,10 @@ def _cache_key(
     )
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _copy(tree: Any) -> Any:
     # The step donates its state: time it on copies, never on the caller's arrays.
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
@@ -158,7 +162,8 @@ def tune(
 ) -> TuneResult:
     """Times ``fdp.train_step`` at candidate bucket caps and layouts; returns the best.
 
-    Each candidate's step is compiled; candidates whose compiled programs are equal
+    Each candidate's step is lowered, and compiled unless an earlier candidate
+    lowered to the same program; candidates whose compiled programs are equal
     (XLA:CPU merges all-reduces on one process, so caps often do not matter there)
     are timed once. The distinct programs run ``warmup`` steps, then ``rounds``
     interleaved rounds of ``steps`` steps each on copies of ``state`` (the caller's
@@ -271,12 +276,16 @@ def _tune(
 
     steps_of: dict[tuple[float, str], Any] = {}
     digests: dict[tuple[float, str], str] = {}
+    lowered_first: dict[str, tuple[float, str]] = {}
     for cand in candidates:
         cap, layout = cand
         step = make_step(loss_fn, bucket_cap_mb=cap, layout=layout, **step_kwargs)
-        text = step.lower(state, batch, *extra).compile().as_text()
+        lowered = step.lower(state, batch, *extra)
         steps_of[cand] = step
-        digests[cand] = hashlib.sha256(text.encode()).hexdigest()
+        # Equal lowered programs compile to equal programs: only the first is compiled
+        # (caps above the model's size, or "auto" where it means "flat").
+        twin = lowered_first.setdefault(_digest(lowered.as_text()), cand)
+        digests[cand] = digests[twin] if twin != cand else _digest(lowered.compile().as_text())
     # Candidates with the same compiled program are timed once (process 0 decides,
     # so that every process runs the same steps in the same order).
     first_of: dict[str, tuple[float, str]] = {}

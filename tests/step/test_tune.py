@@ -51,6 +51,36 @@ def test_equal_programs_are_timed_once():
     assert (50.0, "flat") not in result.step_s
 
 
+def test_a_program_lowered_twice_is_compiled_once():
+    """Caps above the model's size lower to the same program: compiled only once."""
+    texts, compiled = [], []
+
+    class Lowered:
+        def __init__(self, lowered):
+            self._lowered = lowered
+
+        def as_text(self):
+            texts.append(self._lowered.as_text())
+            return texts[-1]
+
+        def compile(self):
+            compiled.append(texts[-1])
+            return self._lowered.compile()
+
+    def make_step(loss_fn, **kwargs):
+        step = fdp.train_step(loss_fn, **kwargs)
+        lower = step.lower
+        step.lower = lambda *args: Lowered(lower(*args))
+        return step
+
+    state, loss_fn, batch = setup()
+    fdp.tune(
+        loss_fn, state, batch, caps=(25.0, 50.0), layouts=("flat",), make_step=make_step, **FAST
+    )
+    assert len(texts) == 3  # (25, "auto"), (25, "flat"), (50, "flat")
+    assert texts[1] == texts[2] and len(compiled) == len(set(texts)) < 3
+
+
 def test_results_are_cached_and_logged_at_info(caplog):
     caplog.set_level(logging.INFO, logger="fdp")
     state, loss_fn, batch = setup()
