@@ -1,7 +1,8 @@
 """Step time against bucket size, with real processes (gloo), like the DDP paper's figure.
 
-For each ``bucket_cap_mb`` it runs the 2-process MLP of ``multiprocess.py`` (8 x 1024,
-batch 64 per process, SGD) under ``fdp launch`` and, with ``--frameworks fdp,torch``,
+For each ``bucket_cap_mb`` it runs a 2-process model of ``multiprocess.py`` (``--model``:
+the MLP by default, 8 x 1024, batch 64 per process, SGD; or ``cnn``, ``transformer``)
+under ``fdp launch`` and, with ``--frameworks fdp,torch``,
 PyTorch DDP under ``torchrun`` with the same cap, in alternating order, several times.
 It prints the median step time per cap (and its ratio to the best cap), writes JSON,
 and plots step time against cap to a PNG (log-scaled cap axis), as in Figure 7 of Li et
@@ -31,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from multiprocess import run_one
+from multiprocess import add_batch_args, batch_sizes, run_one
 
 CAPS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
 LABELS = {"fdp": "fdp", "torch": "PyTorch DDP"}
@@ -179,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--mlp-batch", type=int, default=64)
-    parser.add_argument("--transformer-batch", type=int, default=16)
-    parser.add_argument("--cnn-batch", type=int, default=32)
+    add_batch_args(parser)
     parser.add_argument("--auto", action="store_true", help='also run fdp with "auto"')
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
@@ -193,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(f)
         plot(saved["rows"], args.png, saved["meta"]["title"])
         return 0
-    args.batch = {
-        "mlp": args.mlp_batch,
-        "transformer": args.transformer_batch,
-        "cnn": args.cnn_batch,
-    }
+    args.batch = batch_sizes(args)
     args.fdp_args, args.launch_args = [], []
 
     rows = summarise(sweep(args), args)

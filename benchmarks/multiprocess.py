@@ -41,6 +41,20 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+BATCH = {"mlp": 64, "transformer": 16, "cnn": 32}  # examples per process per step
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """``--mlp-batch``, ``--transformer-batch``, ``--cnn-batch``: examples per process."""
+    for model, size in BATCH.items():
+        parser.add_argument(f"--{model}-batch", type=int, default=size)
+
+
+def batch_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """``{model: examples per process}`` from :func:`add_batch_args`' options."""
+    return {model: getattr(args, f"{model}_batch") for model in BATCH}
+
+
 def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -120,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    parser.add_argument("--mlp-batch", type=int, default=64)
-    parser.add_argument("--transformer-batch", type=int, default=16)
-    parser.add_argument("--cnn-batch", type=int, default=32)
+    add_batch_args(parser)
     parser.add_argument(
         "--fdp-arg",
         action="append",
@@ -148,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    args.batch = {
-        "mlp": args.mlp_batch,
-        "transformer": args.transformer_batch,
-        "cnn": args.cnn_batch,
-    }
+    args.batch = batch_sizes(args)
     frameworks = args.frameworks.split(",")
     variants = [fw for fw in frameworks if fw != "torch"]
 

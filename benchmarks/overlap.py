@@ -45,18 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    parser.add_argument("--mlp-batch", type=int, default=64)
-    parser.add_argument("--transformer-batch", type=int, default=16)
-    parser.add_argument("--cnn-batch", type=int, default=32)
+    multiprocess.add_batch_args(parser)
     parser.add_argument("--layout", default="auto")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    args.batch = {
-        "mlp": args.mlp_batch,
-        "transformer": args.transformer_batch,
-        "cnn": args.cnn_batch,
-    }
+    args.batch = multiprocess.batch_sizes(args)
     args.launch_args = []
     rows = []
     for model in args.models.split(","):

@@ -331,7 +331,7 @@ def _tune(
         "the default (25, 'auto')%s; %d candidates, %d distinct programs screened (%s)",
         result.bucket_cap_mb,
         result.layout,
-        1e3 * decided[same[best]],
+        1e3 * decided[best],
         1e3 * decided[_DEFAULT],
         f" in a race of {race_rounds} rounds" if race_s else "",
         len(candidates),
