@@ -37,6 +37,15 @@ parser.add_argument(
     default="default",
     help="fold_dots of the step (default: fdp's, on for CPU)",
 )
+parser.add_argument(
+    "--sweep-rounds",
+    type=int,
+    default=0,
+    help="instead of training: time every candidate of fdp.tune (--sweep-caps x its "
+    "layouts) in this one run, interleaved for this many rounds of --steps steps, "
+    "and report each one's median step time",
+)
+parser.add_argument("--sweep-caps", default="0.5,1,2.5,5,10,25,50")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -87,6 +96,39 @@ step = fdp.train_step(
 )
 batches = [fdp.shard_batch(b) for b in make_batches(args.model, args.batch, 4, 100 + rank)]
 
+if args.sweep_rounds:
+    # The full sweep in one run: fdp.tune's screening, long, with no race and no margin,
+    # so that every distinct program is timed in the same interleaved rounds.
+    swept = fdp.tune(
+        trivial_loss if args.trivial_loss else jax_loss(args.model),
+        state,
+        batches[0],
+        caps=[float(c) for c in args.sweep_caps.split(",")],
+        steps=args.steps,
+        rounds=args.sweep_rounds,
+        warmup=args.warmup,
+        margin=0.0,
+        finalists=1,
+        comm_hook=args.comm_hook,
+    )
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "model": args.model,
+                    "nproc": nproc,
+                    "sweep_rounds": args.sweep_rounds,
+                    "steps": args.steps,
+                    "step_s": {f"{c}/{lay}": s for (c, lay), s in swept.step_s.items()},
+                    "same_program": {
+                        f"{c}/{lay}": f"{c2}/{lay2}"
+                        for (c, lay), (c2, lay2) in swept.same_program.items()
+                    },
+                },
+                f,
+            )
+    sys.exit(0)
+
 losses = []
 tune_start = time.perf_counter()
 for i in range(args.warmup):
@@ -116,6 +158,7 @@ if rank == 0:
         layout=args.layout,
         resolved_layout=step.config.layout,
         chosen_bucket_cap_mb=step.config.bucket_cap_mb,
+        chosen_layout=step.tuned.layout if cap == "auto" else args.layout,
         first_call_s=first_call_s,
         tuned_step_s=(
             {f"{c}/{lay}": s for (c, lay), s in step.tuned.step_s.items()}
