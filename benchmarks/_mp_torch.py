@@ -20,6 +20,12 @@ parser.add_argument("--steps", type=int, default=20, help="steps per timed round
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+parser.add_argument(
+    "--comm-hook",
+    choices=("allreduce", "noop"),
+    default="allreduce",
+    help="noop: torch's debugging noop_hook, the same step without communication (headroom)",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -41,6 +47,10 @@ dist.init_process_group("gloo")
 rank, nproc = dist.get_rank(), dist.get_world_size()
 params = init_params(args.model)
 model = DDP(torch_module(args.model, params), bucket_cap_mb=args.bucket_cap_mb)
+if args.comm_hook == "noop":
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    model.register_comm_hook(None, noop_hook)
 opt = torch.optim.SGD(model.parameters(), lr=LR)
 batches = [
     {"x": torch.from_numpy(b["x"]), "y": torch.from_numpy(b["y"]).long()}
@@ -86,6 +96,7 @@ if rank == 0:
         **memory_mib(),
         torch=torch.__version__,
         threads=torch.get_num_threads(),
+        comm_hook=args.comm_hook,
     )
     with open(args.out, "w") as f:
         json.dump(record, f)

@@ -56,6 +56,13 @@ def batch_sizes(args: argparse.Namespace) -> dict[str, int]:
 
 
 def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) -> dict:
+    """Runs one configuration in fresh processes; returns rank 0's record.
+
+    Besides the timing options, ``args`` carries ``fdp_args``, ``launch_args`` and,
+    optionally, ``torch_args`` (extra arguments of the fdp worker, of ``fdp launch``
+    and of the torch worker), ``env`` (extra environment variables) and ``prefix``
+    (a command to run it under, e.g. ``["taskset", "-c", "0"]``).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         common = [
@@ -75,6 +82,7 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
             out,
         ]
         env = clean_env()
+        env.update(getattr(args, "env", {}))
         if framework == "fdp-untuned":
             # fdp before issue 18: glibc's allocator as it comes (no mallopt in fdp.init).
             env["FDP_MALLOC_TUNING"] = "0"
@@ -109,7 +117,9 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
                 str(free_port()),
                 os.path.join(HERE, "_mp_torch.py"),
                 *common,
+                *getattr(args, "torch_args", []),
             ]
+        cmd = [*getattr(args, "prefix", []), *cmd]  # e.g. taskset, to pin a 1-process run
         proc = subprocess.run(
             cmd,
             cwd=ROOT,
