@@ -150,18 +150,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     for r in rows:
         if r["bucket_cap_mb"] == "auto":
             # fdp.tune's choice in each run: at the cap it chose, at that run's step time.
-            ax.scatter(
-                r["chosen_caps"],
-                r["step_ms"],
-                marker="*",
-                s=220,
-                color="black",
-                zorder=5,
-                label='fdp bucket_cap_mb="auto"',
-            )
+            mark_choices(ax, r["chosen_caps"], r["step_ms"])
+    finish_cap_plot(fig, ax, "step time (ms, median)", title, path)
+
+
+def mark_choices(ax, caps: list[float], ys: list[float]) -> None:
+    """Stars where ``bucket_cap_mb="auto"`` chose ``caps``, at heights ``ys``."""
+    ax.scatter(
+        caps, ys, marker="*", s=220, color="black", zorder=5, label='bucket_cap_mb="auto" chose'
+    )
+
+
+def finish_cap_plot(fig, ax, ylabel: str, title: str, path: str) -> None:
+    """Log-scaled cap axis, labels, legend; saves the figure to ``path`` (PNG)."""
     ax.set_xscale("log")
     ax.set_xlabel("bucket_cap_mb (MB)")
-    ax.set_ylabel("step time (ms, median)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

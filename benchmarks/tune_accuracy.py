@@ -31,6 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bucket_sweep import finish_cap_plot, mark_choices
 from multiprocess import add_batch_args, batch_sizes, run_one
 
 DEFAULT = "25.0/auto"
@@ -149,24 +150,8 @@ def plot(summary: dict, path: str, title: str) -> None:
             label=f'layout="{layout}"',
         )
     caps = [float(c["chosen"].split("/")[0]) for c in summary["choices"]]
-    ax.scatter(
-        caps,
-        [c["median_ratio_to_best"] for c in summary["choices"]],
-        marker="*",
-        s=220,
-        color="black",
-        zorder=5,
-        label='bucket_cap_mb="auto" chose',
-    )
-    ax.set_xscale("log")
-    ax.set_xlabel("bucket_cap_mb (MB)")
-    ax.set_ylabel("step time / best candidate's (median over sweeps)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
+    mark_choices(ax, caps, [c["median_ratio_to_best"] for c in summary["choices"]])
+    finish_cap_plot(fig, ax, "step time / best candidate's (median over sweeps)", title, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--caps", default="0.5,1,2.5,5,10,25,50", help="fdp.tune's by default")
     parser.add_argument("--repeats", type=int, default=3, help="sweeps, and auto runs")
-    parser.add_argument("--sweep-rounds", type=int, default=12)
+    parser.add_argument("--sweep-rounds", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3, help="steps per round of the sweep")
     parser.add_argument("--warmup", type=int, default=2)
     add_batch_args(parser)
