@@ -17,7 +17,7 @@ Then ``efficiency = side_by_side x communication / (all_cores / one_core)`` exac
 (up to the medians). Runs rotate between the configurations; each is the median of
 ``--rounds`` rounds, the table the median of ``--repeats`` runs.
 
-    python benchmarks/scaling_parts.py --models mlp --json benchmarks/results/scaling_parts.json
+    python benchmarks/scaling_parts.py --models mlp --json benchmarks/results/scaling_parts_mlp.json
 """
 
 from __future__ import annotations
