@@ -46,6 +46,13 @@ parser.add_argument(
     "and report each one's median step time",
 )
 parser.add_argument("--sweep-caps", default="0.5,1,2.5,5,10,25,50")
+parser.add_argument(
+    "--trace-steps",
+    type=int,
+    default=0,
+    help="after the timed rounds, profile this many steps with jax.profiler and report "
+    "each bucket's overlap with compute from XLA:CPU's thunk events (_overlap_trace.py)",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -148,8 +155,31 @@ for _ in range(args.rounds):
     rounds.append((time.perf_counter() - start) / args.steps)
 faults = (minor_faults() - faults) / (args.rounds * args.steps)
 user_s, sys_s = (b - a for a, b in zip(cpu, cpu_seconds(), strict=True))
+traced = None
+if args.trace_steps:
+    import tempfile
+
+    import _overlap_trace
+
+    compiled = step.lower(state, batches[0]).compile()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        for i in range(args.trace_steps):
+            state, metrics = step(state, batches[i % len(batches)])
+            jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        events = _overlap_trace.load_events(trace_dir)
+    module = next(
+        e["args"]["hlo_module"]
+        for e in events
+        if "hlo_module" in e.get("args", {}) and e["name"] != "ThunkExecutor::Execute"
+    )
+    runs = _overlap_trace.thunk_intervals(events, module)
+    traced = _overlap_trace.overlap(runs, _overlap_trace.collectives(compiled.as_text()))
+    traced["module"] = module
 if rank == 0:
     record = result_record("fdp", args, nproc, params, rounds, losses)
+    record["trace"] = traced
     record.update(
         faults_per_step=faults,
         cpu_user_ms_per_step=1e3 * user_s / (args.rounds * args.steps),

@@ -26,6 +26,13 @@ parser.add_argument(
     default="allreduce",
     help="noop: torch's debugging noop_hook, the same step without communication (headroom)",
 )
+parser.add_argument(
+    "--trace-steps",
+    type=int,
+    default=0,
+    help="after the timed rounds, profile this many steps with torch.profiler and report "
+    "each bucket's overlap with the backward pass (_overlap_trace.py)",
+)
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -58,6 +65,15 @@ batches = [
 ]
 
 
+def bucket_bytes() -> list[int]:
+    """The sizes of the buckets DDP reduces now: after its first iteration it rebuilds
+    them in the observed order, with a 1 MiB first bucket only when ``bucket_cap_mb``
+    was not passed (torch 2.13's ``first_bucket_bytes_cap``)."""
+    data = model._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    return [int(x) for x in str(sizes).split(",") if x.strip()]
+
+
 def train_step(batch):
     opt.zero_grad(set_to_none=True)
     logits = model(batch["x"])
@@ -87,8 +103,27 @@ for _ in range(args.rounds):
     rounds.append((time.perf_counter() - start) / args.steps)
 faults = (minor_faults() - faults) / (args.rounds * args.steps)
 user_s, sys_s = (b - a for a, b in zip(cpu, cpu_seconds(), strict=True))
+traced = None
+if args.trace_steps:
+    import tempfile
+
+    import _overlap_trace
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(args.trace_steps):
+            with record_function("bench_step"):
+                train_step(batches[i % len(batches)])
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    runs = _overlap_trace.torch_intervals(events, "bench_step")
+    colls = {f"bucket{i}": ("gloo:all_reduce", b) for i, b in enumerate(bucket_bytes())}
+    traced = _overlap_trace.overlap(runs, colls)
 if rank == 0:
     record = result_record("torch", args, nproc, params, rounds, losses)
+    record["trace"] = traced
     record.update(
         faults_per_step=faults,
         cpu_user_ms_per_step=1e3 * user_s / (args.rounds * args.steps),
@@ -97,6 +132,7 @@ if rank == 0:
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         comm_hook=args.comm_hook,
+        bucket_bytes=bucket_bytes(),
     )
     with open(args.out, "w") as f:
         json.dump(record, f)
