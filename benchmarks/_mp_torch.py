@@ -27,6 +27,12 @@ parser.add_argument(
     help="noop: torch's debugging noop_hook, the same step without communication (headroom)",
 )
 parser.add_argument(
+    "--ddp-default-cap",
+    action="store_true",
+    help="construct DDP without bucket_cap_mb (its default, 25 MiB): DDP then keeps a "
+    "1 MiB first bucket, as fdp's default plan does; passing the cap drops it",
+)
+parser.add_argument(
     "--trace-steps",
     type=int,
     default=0,
@@ -53,7 +59,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 dist.init_process_group("gloo")
 rank, nproc = dist.get_rank(), dist.get_world_size()
 params = init_params(args.model)
-model = DDP(torch_module(args.model, params), bucket_cap_mb=args.bucket_cap_mb)
+if args.ddp_default_cap and args.bucket_cap_mb != 25.0:
+    parser.error(
+        f"--ddp-default-cap is DDP's 25 MiB default; got --bucket-cap-mb {args.bucket_cap_mb}"
+    )
+cap_kwargs = {} if args.ddp_default_cap else {"bucket_cap_mb": args.bucket_cap_mb}
+model = DDP(torch_module(args.model, params), **cap_kwargs)
 if args.comm_hook == "noop":
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
@@ -133,6 +144,7 @@ if rank == 0:
         threads=torch.get_num_threads(),
         comm_hook=args.comm_hook,
         bucket_bytes=bucket_bytes(),
+        ddp_default_cap=args.ddp_default_cap,
     )
     with open(args.out, "w") as f:
         json.dump(record, f)

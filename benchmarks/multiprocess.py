@@ -119,6 +119,9 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
                 *common,
                 *getattr(args, "torch_args", []),
             ]
+            if framework == "torch-default":
+                # DDP constructed without bucket_cap_mb: its plan keeps the 1 MiB first bucket.
+                cmd.append("--ddp-default-cap")
         cmd = [*getattr(args, "prefix", []), *cmd]  # e.g. taskset, to pin a 1-process run
         proc = subprocess.run(
             cmd,
@@ -164,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         default="fdp,torch",
         help=(
             "variants run in alternating order: fdp, fdp-untuned (FDP_MALLOC_TUNING=0), "
-            "fdp-unfolded (fold_dots=False), fdp-shm (comm_hook='shm_allreduce'), torch"
+            "fdp-unfolded (fold_dots=False), fdp-shm (comm_hook='shm_allreduce'), torch, "
+            "torch-default (DDP without bucket_cap_mb, so with DDP's 1 MiB first bucket, "
+            "as fdp's plan has; a variant row, its ratio to torch in the fdp columns)"
         ),
     )
     parser.add_argument("--timeout", type=int, default=900)
