@@ -169,11 +169,7 @@ if args.trace_steps:
             jax.block_until_ready(state)
         jax.profiler.stop_trace()
         events = _overlap_trace.load_events(trace_dir)
-    module = next(
-        e["args"]["hlo_module"]
-        for e in events
-        if "hlo_module" in e.get("args", {}) and e["name"] != "ThunkExecutor::Execute"
-    )
+    module = next(e["args"]["hlo_module"] for e in events if "hlo_op" in e.get("args", {}))
     runs = _overlap_trace.thunk_intervals(events, module)
     traced = _overlap_trace.overlap(runs, _overlap_trace.collectives(compiled.as_text()))
     traced["module"] = module

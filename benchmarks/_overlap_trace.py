@@ -121,11 +121,11 @@ def thunk_intervals(events: list[dict], module: str) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = defaultdict(list)
     for e in sorted(events, key=lambda e: e["ts"]):
         args = e.get("args", {})
-        if args.get("hlo_module") != module:
-            continue
+        if args.get("hlo_module") != module or "hlo_op" not in args:
+            continue  # only thunk spans (a thunk names its HLO instruction)
         runs[args.get("run_id", "")].append(
             {
-                "op": args.get("hlo_op", e["name"]),
+                "op": args["hlo_op"],
                 "start": e["ts"],
                 "end": e["ts"] + e.get("dur", 0.0),
                 "tid": e["tid"],
@@ -140,8 +140,8 @@ TORCH_COMPUTE = ("autograd::engine::evaluate_function: ", "Optimizer.step")
 def torch_intervals(events: list[dict], step_name: str, comm_name: str = "gloo:all_reduce"):
     """Per step (a ``record_function(step_name)`` window): DDP's buckets and compute.
 
-    Returns ``(runs, colls)`` in :func:`overlap`'s form; the i-th all-reduce that starts
-    in a step is named ``bucket<i>`` (DDP launches its buckets in index order).
+    Returns the runs in :func:`overlap`'s form; the i-th all-reduce that starts in a
+    step is named ``bucket<i>`` (DDP launches its buckets in index order).
     """
     windows = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == step_name)
     runs: dict[str, list[dict]] = {}
