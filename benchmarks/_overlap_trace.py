@@ -181,14 +181,15 @@ def overlap(runs: dict[str, list[dict]], colls: dict[str, tuple[str, int]]) -> d
         comm_total = union(comm_iv)
         # Hidden: collective time during which another thread runs a compute thunk (on
         # its own thread, a span around the collective is a parent, not concurrent work).
-        hidden: dict[int, float] = {}
-        pieces = []
-        for t in comm:
-            beside = [(c["start"], c["end"]) for c in compute if c["tid"] != t["tid"]]
-            clipped = _clip(beside, t["start"], t["end"])
-            hidden[id(t)] = union(clipped)
-            pieces += clipped
-        hidden_total = union(pieces)
+        beside = [
+            _clip(
+                [(c["start"], c["end"]) for c in compute if c["tid"] != t["tid"]],
+                t["start"],
+                t["end"],
+            )
+            for t in comm
+        ]
+        hidden_total = union([piece for pieces in beside for piece in pieces])
         steps.append(
             {
                 "step_ms": (last - first) / 1e3,
@@ -198,11 +199,10 @@ def overlap(runs: dict[str, list[dict]], colls: dict[str, tuple[str, int]]) -> d
                 "threads_running_collectives": len({t["tid"] for t in comm}),
             }
         )
-        for t in comm:
-            dur = t["end"] - t["start"]
+        for t, pieces in zip(comm, beside, strict=True):
             rec = per_op[t["op"]]
-            rec["ms"].append(dur / 1e3)
-            rec["hidden_ms"].append(hidden[id(t)] / 1e3)
+            rec["ms"].append((t["end"] - t["start"]) / 1e3)
+            rec["hidden_ms"].append(union(pieces) / 1e3)
             rec["start_ms"].append((t["start"] - first) / 1e3)
     med = statistics.median
     buckets = []
