@@ -4,8 +4,10 @@ XLA:CPU's all-reduce goes through gloo over TCP, with separate input and output
 buffers, even when every process sits on the same machine. Here each process
 maps its peers' shared-memory regions once (``/dev/shm``), and an XLA FFI call
 (``_native/shm_sum.cc``, compiled with the host's C++ compiler at first use and
-cached) sums a buffer in place: copy in, sum this process's chunk, copy the
-other chunks out. The step stays one compiled program; nothing here runs on GPU.
+cached) sums a bucket in place: its gradients as they are (no packing into one
+flat buffer), each scaled on the way (DDP's division by the world size): copy in,
+sum this process's chunk, copy the other chunks out. The step stays one compiled
+program; nothing here runs on GPU.
 
 Used by the ``shm_allreduce`` comm hook (docs/performance.md).
 """
@@ -23,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,8 @@ CAPACITY_ENV = "FDP_SHM_CAPACITY_MB"
 DEFAULT_CAPACITY_MB = 1024
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _HEADER = 64
+# No FMA contraction: x * scale + y must round as XLA's multiply-then-add does.
+CXXFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -68,19 +72,20 @@ def _compiler() -> str:
 
 
 def library() -> ctypes.CDLL:
-    """The compiled FFI library (built once per source and JAX version, then cached)."""
+    """The compiled FFI library (built once per source, flags and JAX version; cached)."""
     with _lock:
         if "lib" in _state:
             return _state["lib"]
         include = jax.ffi.include_dir()
         key = hashlib.sha256(SOURCE.read_bytes() + include.encode() + jax.__version__.encode())
+        key.update(" ".join(CXXFLAGS).encode())
         target = _cache_dir() / f"shm_sum-{key.hexdigest()[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             cxx = _compiler()
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-I", include]
+                cmd = [cxx, *CXXFLAGS, "-I", include]
                 cmd += [str(SOURCE), "-o", str(built)]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if done.returncode != 0:
@@ -291,31 +296,72 @@ def shm_sum(x: jax.Array, axis_name: AxisName, *, timeout: float = 300.0) -> jax
       axis_name: the data axis: one device per process, every process on it.
       timeout: seconds to wait for a peer before the step fails naming it.
     """
+    return shm_sum_bucket([x], axis_name, timeout=timeout)[0]
+
+
+def shm_sum_bucket(
+    xs: Sequence[jax.Array],
+    axis_name: AxisName,
+    *,
+    scale: float = 1.0,
+    timeout: float = 300.0,
+) -> list[jax.Array]:
+    """Sums ``x * scale`` for each array of one bucket over ``axis_name``, in one call.
+
+    The arrays are read as one flat buffer, in order, but passed as they are: no
+    copy packs them, and each result is written in place of its array. ``scale``
+    rounds as XLA rounds ``x / world`` (a multiplication by the reciprocal, in the
+    arrays' dtype), so ``scale=1 / world`` gives the bits of ``psum(x / world)``
+    when the sum's order is the same (two processes).
+
+    Args:
+      xs: this process's arrays, all float32 or all float64.
+      axis_name: the data axis: one device per process, every process on it.
+      scale: the factor of every element before the sum (rounded to the dtype).
+      timeout: seconds to wait for a peer before the step fails naming it.
+
+    Returns:
+      The sums, one per array, with its shape.
+    """
     check_usable(axis_name)
-    if jnp.dtype(x.dtype) not in DTYPES:
-        raise TypeError(f"shm_sum: x must be float32 or float64, got x.dtype={x.dtype}.")
-    if jax.process_count() == 1 or x.size == 0:
-        return x
+    dtypes = {jnp.dtype(x.dtype) for x in xs}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
+        got = ", ".join(sorted(str(d) for d in dtypes)) or "no arrays"
+        raise TypeError(f"shm_sum: the arrays must be all float32 or all float64, got {got}.")
+    dtype = next(iter(dtypes))
+    factor = np.asarray(scale, dtype)
+    if jax.process_count() == 1:
+        return [x * factor if scale != 1 else x for x in xs]
     chain = _chain.get(None)
     if chain is None:
         raise RuntimeError(
             "shm_sum runs inside fdp.collectives._shm.ordered() (the comm hook's bucket "
             "loop opens it), so that every process runs its sums in one order."
         )
-    group(x.size * x.dtype.itemsize, timeout)
+    live = [i for i, x in enumerate(xs) if x.size]
+    out = [x * factor if scale != 1 else x for x in xs]  # the empty ones stay so
+    if not live:
+        return out
+    group(sum(xs[i].size for i in live) * dtype.itemsize, timeout)
     trace = _trace()
     link = next((pair for pair in chain if pair[0] == trace), None)
     if link is None:
-        link = [trace, jnp.zeros(1, x.dtype)]
+        link = [trace, jnp.zeros(1, dtype)]
         chain.append(link)
-    after = link[1]
     call = jax.ffi.ffi_call(
         TARGET,
-        jax.ShapeDtypeStruct((x.size,), x.dtype),
-        input_output_aliases={0: 0},
+        [jax.ShapeDtypeStruct(xs[i].shape, dtype) for i in live],
+        input_output_aliases={k + 1: k for k in range(len(live))},
         has_side_effect=True,
     )
-    # ``after`` is not read: it orders this call after the previous one.
-    out = call(x.reshape(-1), after.astype(x.dtype), timeout_s=np.float64(timeout))
-    link[1] = out[:1]
-    return out.reshape(x.shape)
+    # The first operand is not read: it orders this call after the previous one.
+    summed = call(
+        link[1].astype(dtype),
+        *[xs[i] for i in live],
+        scale=np.float64(factor),
+        timeout_s=np.float64(timeout),
+    )
+    link[1] = summed[0].reshape(-1)[:1]
+    for i, total in zip(live, summed, strict=True):
+        out[i] = total
+    return out

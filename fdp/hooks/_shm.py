@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from fdp.collectives import _shm
 from fdp.collectives._axis import axis_size
@@ -20,8 +21,11 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
     number of processes, then summed), but the sum runs in fdp's own FFI call
     instead of XLA's gloo all-reduce: each process copies its bucket into
     ``/dev/shm`` once, sums its share of every peer's bucket, and copies the
-    other shares back, in place and inside the compiled step. With two
-    processes the result has the same bits as gloo's sum.
+    other shares back, in place and inside the compiled step. One call per
+    bucket in either layout, on the gradients as they are: no flat buffer is
+    packed (the copy that ``layout='flat'`` costs with XLA's all-reduce), and
+    the division by the world size is done on the way in. With two processes
+    the result has the same bits as gloo's sum.
 
     Needs one CPU device per process, every process of the run on one host, and
     a C++ compiler at the first step (the FFI file is compiled once and cached
@@ -40,16 +44,15 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
     """
 
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
-        values = [bucket.buffer] if bucket.layout == "flat" else list(bucket.gradients)
-        size = axis_size(bucket.axis_name)
-        out = []
-        for v in values:
-            # Narrower floats (bfloat16, float16) are divided and summed in float32.
-            wide = v if jnp.dtype(v.dtype) in _shm.DTYPES else v.astype(jnp.float32)
-            total = _shm.shm_sum(
-                wide / jnp.asarray(size, wide.dtype), bucket.axis_name, timeout=timeout
-            )
-            out.append(total.astype(v.dtype))
-        return (out[0] if bucket.layout == "flat" else out), state
+        # The gradients go to the sum as they are, in either layout: no flat buffer is
+        # packed, and the division by the world size happens inside the sum.
+        grads = list(bucket.gradients)
+        # Narrower floats (bfloat16, float16) are divided and summed in float32.
+        wide_dtype = bucket.dtype if jnp.dtype(bucket.dtype) in _shm.DTYPES else np.float32
+        wide = [g.astype(wide_dtype) for g in grads]
+        # 1 / world, rounded in the dtype: what XLA makes of ``g / world``.
+        scale = np.asarray(1, wide_dtype) / np.asarray(axis_size(bucket.axis_name), wide_dtype)
+        totals = _shm.shm_sum_bucket(wide, bucket.axis_name, scale=float(scale), timeout=timeout)
+        return [t.astype(g.dtype) for t, g in zip(totals, grads, strict=True)], state
 
     return CommHook("shm_allreduce", stateless_init, reduce, vma_safe=False)

@@ -4,8 +4,10 @@
 
 Under `fdp launch`, one CPU device per process: 4 Adam steps of a small MLP with
 tiny buckets (several per step), both layouts, each hook; each rank writes its final
-parameters to DIR/rank{R}.npz. The layers have odd widths, so buffers split unevenly
-between processes. Then rank R sleeps before one more shared-memory sum whose peers wait
+parameters to DIR/rank{R}.npz, with the compiled programs' shared-memory calls (the
+operands of each) and, for one bucket of three arrays, the scaled sums of both ranks'
+seeded data. The layers have odd widths, so buffers split unevenly between processes.
+Then rank R sleeps before one more shared-memory sum whose peers wait
 2 s: each rank writes the error it got to DIR/stall{R}.txt.
 """
 
@@ -29,7 +31,7 @@ from flax.training.train_state import TrainState  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fdp  # noqa: E402
-from fdp.collectives._shm import ordered, shm_sum  # noqa: E402
+from fdp.collectives._shm import ordered, shm_sum, shm_sum_bucket  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _models import MLP, cross_entropy, make_data  # noqa: E402
@@ -56,10 +58,40 @@ for layout in ("flat", "leaves"):
         )
         for batch in batches:
             state, _ = step(state, fdp.shard_batch(batch))
+        hlo = step.lower(state, fdp.shard_batch(batches[0])).compile().as_text()
+        calls = [line for line in hlo.splitlines() if 'custom_call_target="fdp_shm_sum"' in line]
+        # Operands of each shared-memory call: the ordering token, then the bucket's arrays.
+        results[f"calls/{layout}/{hook}"] = np.array(
+            [line.split("custom-call(", 1)[1].split(")", 1)[0].count("%") for line in calls]
+        )
+        results[f"packs/{layout}/{hook}"] = np.array(
+            hlo.count("concatenate(") + hlo.count("dynamic-update-slice(")
+        )
         for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
             results[f"{layout}/{hook}/{jax.tree_util.keystr(path)}"] = np.asarray(
                 leaf.addressable_shards[0].data
             )
+
+
+def bucket_sum(scale):
+    def body(a, b, c):
+        with ordered():
+            return tuple(shm_sum_bucket([a, b, c], fdp.DATA_AXIS, scale=scale))
+
+    spec = P(fdp.DATA_AXIS)
+    return jax.jit(
+        jax.shard_map(body, mesh=fdp.data_mesh(), in_specs=(spec,) * 3, out_specs=(spec,) * 3)
+    )
+
+
+# One bucket of three arrays, 1009 elements: the rank-0/rank-1 chunk boundary (505)
+# falls inside the second array. Every rank draws both ranks' data; it sums its own.
+draws = np.random.default_rng(7)
+mine = [[draws.normal(size=(1, n)).astype(np.float32) for n in (5, 1001, 3)] for _ in range(2)]
+for name, scale in (("half", 0.5), ("third", float(np.float32(1) / np.float32(3)))):
+    sums = bucket_sum(scale)(*[fdp.shard_batch(x) for x in mine[rank]])
+    for i, total in enumerate(sums):
+        results[f"sum/{name}/{i}"] = np.asarray(total.addressable_shards[0].data)
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
 
 

@@ -3,18 +3,23 @@
 // Each process maps one region per peer (set up from Python, fdp/collectives/_shm.py)
 // laid out as: a 64-byte header (the epoch this process has reached), then for each
 // call parity (0, 1) an input slot of `capacity` bytes and a result slot of
-// `capacity / world` (rounded up) bytes. One call, with rank r of P and chunk c = n / P:
-//   1. copy every chunk of x but r's own into this process's input slot;
+// `capacity / world` (rounded up) bytes. A call sums one bucket: its gradients, passed
+// as separate buffers (no packing into a flat buffer) and read as one flat buffer of n
+// elements in argument order, each element times `scale` (DDP's 1 / world size). With
+// rank r of P and chunk c = n / P:
+//   1. copy every chunk of x * scale but r's own into this process's input slot;
 //   2. barrier: every process has published its input;
-//   3. sum chunk r over ranks 0..P-1 in that order (r's own from x), into the
+//   3. sum chunk r over ranks 0..P-1 in that order (r's own from x * scale), into the
 //      output and into this process's result slot;
 //   4. barrier: every chunk is summed;
 //   5. copy each peer's chunk from its result slot into the output.
 // Slots alternate by call parity, so a slot is rewritten only after every process
 // has passed the next call's first barrier, i.e. has finished reading it: two
 // barriers per call. The sum of every element is formed once, by its owner, in rank
-// order, so every process gets the same bits. A peer that does not arrive within the
-// timeout turns into an error naming it.
+// order, so every process gets the same bits; x * scale rounds as XLA's division by
+// the world size does (XLA turns it into a multiplication by the reciprocal), so the
+// bits are those of fdp's gloo path. A peer that does not arrive within the timeout
+// turns into an error naming it.
 #include <sched.h>
 #include <time.h>
 
@@ -131,38 +136,74 @@ ffi::Error missing_error(const std::vector<int>& missing, uint64_t call, double 
                         "different program)"));
 }
 
-// Sums elements [lo, hi) over ranks 0..P-1 in that order into `result` (read by the
-// peers) and `out`; the last pass writes both.
+// One bucket as seen by a call: its buffers in order, as one flat buffer.
 template <typename T>
-void sum_chunk(const T* mine, int parity, int64_t lo, int64_t hi, T* out, T* result) {
-  const int rank = g_group.rank, world = g_group.world;
-  auto src = [&](int q) {
-    return q == rank ? mine : reinterpret_cast<const T*>(input_slot(q, parity));
-  };
-  const int64_t n = hi - lo;
-  const T* a = src(0) + lo;
-  const T* b = src(1) + lo;
-  T* o = out + lo;
-  if (world == 2) {
-    for (int64_t i = 0; i < n; ++i) o[i] = result[i] = a[i] + b[i];
+struct Bucket {
+  std::vector<const T*> in;
+  std::vector<T*> out;
+  std::vector<int64_t> begin;  // flat offset of each buffer; begin.back() == n
+  T scale;
+
+  // Calls f(in, out, flat offset, count) for each piece of flat elements [lo, hi).
+  template <typename F>
+  void pieces(int64_t lo, int64_t hi, F f) const {
+    for (size_t b = 0; b < in.size(); ++b) {
+      int64_t a = std::max(lo, begin[b]), e = std::min(hi, begin[b + 1]);
+      if (e > a) f(in[b] + (a - begin[b]), out[b] + (a - begin[b]), a, e - a);
+    }
+  }
+};
+
+// Copies x * s into `to` (memcpy when s is 1).
+template <typename T>
+void scaled_copy(const T* x, T s, int64_t n, T* to) {
+  if (s == T(1)) {
+    std::memcpy(to, x, n * sizeof(T));
     return;
   }
-  for (int64_t i = 0; i < n; ++i) result[i] = a[i] + b[i];
-  for (int q = 2; q < world - 1; ++q) {
-    const T* c = src(q) + lo;
-    for (int64_t i = 0; i < n; ++i) result[i] += c[i];
-  }
-  const T* last = src(world - 1) + lo;
-  for (int64_t i = 0; i < n; ++i) o[i] = result[i] = result[i] + last[i];
+  for (int64_t i = 0; i < n; ++i) to[i] = x[i] * s;
+}
+
+// Sums flat elements [lo, hi) over ranks 0..P-1 in that order (this rank's own
+// from its buffers, times the scale; the peers' from their input slots, already
+// scaled) into `result` (read by the peers) and the output; the last pass writes both.
+template <typename T>
+void sum_chunk(const Bucket<T>& bucket, int parity, int64_t lo, int64_t hi, T* result) {
+  const int rank = g_group.rank, world = g_group.world;
+  bucket.pieces(lo, hi, [&](const T* x, T* o, int64_t at, int64_t n) {
+    // Rank q's values and the factor that scales them (the peers' are scaled).
+    auto src = [&](int q) {
+      return q == rank ? x : reinterpret_cast<const T*>(input_slot(q, parity)) + at;
+    };
+    auto mul = [&](int q) { return q == rank ? bucket.scale : T(1); };
+    T* r = result + (at - lo);
+    const T* a = src(0);
+    const T* b = src(1);
+    const T ma = mul(0), mb = mul(1);
+    if (world == 2) {
+      for (int64_t i = 0; i < n; ++i) o[i] = r[i] = a[i] * ma + b[i] * mb;
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) r[i] = a[i] * ma + b[i] * mb;
+    for (int q = 2; q < world - 1; ++q) {
+      const T* c = src(q);
+      const T mc = mul(q);
+      for (int64_t i = 0; i < n; ++i) r[i] += c[i] * mc;
+    }
+    const T* last = src(world - 1);
+    const T ml = mul(world - 1);
+    for (int64_t i = 0; i < n; ++i) o[i] = r[i] = r[i] + last[i] * ml;
+  });
 }
 
 template <typename T>
-ffi::Error run(const T* x, T* out, int64_t n, int64_t dtype, double timeout_s) {
+ffi::Error run(const Bucket<T>& bucket, int64_t dtype, double timeout_s) {
   if (g_group.world == 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "fdp shared-memory all-reduce: no group in this process (the step "
                       "sets one up when it is traced)");
   }
+  const int64_t n = bucket.begin.back();
   const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
   if (bytes > g_group.capacity) {
     return fail(ffi::Error(ffi::ErrorCode::kOutOfRange,
@@ -183,8 +224,10 @@ ffi::Error run(const T* x, T* out, int64_t n, int64_t dtype, double timeout_s) {
   T* slot = reinterpret_cast<T*>(input_slot(rank, parity));
   for (int q = 0; q < world; ++q) {
     if (q == rank) continue;
-    int64_t lo = q * chunk, hi = std::min(n, lo + chunk);
-    if (hi > lo) std::memcpy(slot + lo, x + lo, (hi - lo) * sizeof(T));
+    bucket.pieces(q * chunk, std::min(n, q * chunk + chunk),
+                  [&](const T* x, T*, int64_t at, int64_t m) {
+                    scaled_copy(x, bucket.scale, m, slot + at);
+                  });
   }
   const int64_t mine_call = bytes * 256 + dtype;
   call_of(rank)->store(mine_call, std::memory_order_relaxed);
@@ -203,32 +246,62 @@ ffi::Error run(const T* x, T* out, int64_t n, int64_t dtype, double timeout_s) {
     }
   }
   int64_t lo = rank * chunk, hi = std::min(n, lo + chunk);
-  if (hi > lo) sum_chunk<T>(x, parity, lo, hi, out, reinterpret_cast<T*>(result_slot(rank, parity)));
+  if (hi > lo) sum_chunk<T>(bucket, parity, lo, hi, reinterpret_cast<T*>(result_slot(rank, parity)));
   missing = barrier(2 * call + 2, timeout_s);
   if (!missing.empty()) return missing_error(missing, call, timeout_s);
   for (int q = 0; q < world; ++q) {
     if (q == rank) continue;
-    int64_t a = q * chunk, b = std::min(n, a + chunk);
-    if (b > a) std::memcpy(out + a, result_slot(q, parity), (b - a) * sizeof(T));
+    const int64_t a = q * chunk;
+    const T* theirs = reinterpret_cast<const T*>(result_slot(q, parity));
+    bucket.pieces(a, std::min(n, a + chunk), [&](const T*, T* o, int64_t at, int64_t m) {
+      std::memcpy(o, theirs + (at - a), m * sizeof(T));
+    });
   }
   return ffi::Error::Success();
 }
 
+template <typename T>
+ffi::Error run_typed(ffi::RemainingArgs xs, ffi::RemainingRets outs, ffi::DataType type,
+                     double scale, double timeout_s) {
+  Bucket<T> bucket;
+  bucket.scale = static_cast<T>(scale);
+  bucket.begin.push_back(0);
+  for (size_t b = 0; b < xs.size(); ++b) {
+    auto x = xs.get<ffi::AnyBuffer>(b);
+    auto out = outs.get<ffi::AnyBuffer>(b);
+    if (!x.has_value() || !out.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "fdp shared-memory all-reduce: buffer " + std::to_string(b) +
+                            " could not be read");
+    }
+    if (x->element_type() != type || (*out)->element_count() != x->element_count()) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                        "fdp shared-memory all-reduce: the buffers of one bucket must share "
+                        "one dtype, each output the size of its input");
+    }
+    bucket.in.push_back(reinterpret_cast<const T*>(x->untyped_data()));
+    bucket.out.push_back(reinterpret_cast<T*>((*out)->untyped_data()));
+    bucket.begin.push_back(bucket.begin.back() + static_cast<int64_t>(x->element_count()));
+  }
+  return run<T>(bucket, static_cast<int64_t>(type), timeout_s);
+}
+
 // `after` is not read: the program passes the previous call's output there, so
-// XLA runs the calls in program order on every process.
-ffi::Error ShmSumImpl(ffi::AnyBuffer x, ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> out,
-                      double timeout_s) {
+// XLA runs the calls in program order on every process. The bucket's buffers follow.
+ffi::Error ShmSumImpl(ffi::AnyBuffer after, ffi::RemainingArgs xs, ffi::RemainingRets outs,
+                      double scale, double timeout_s) {
   (void)after;
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  switch (x.element_type()) {
+  if (xs.size() == 0 || xs.size() != outs.size()) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "fdp shared-memory all-reduce: expected one output per input buffer");
+  }
+  auto first = xs.get<ffi::AnyBuffer>(0);
+  if (!first.has_value()) return first.error();
+  switch (first->element_type()) {
     case ffi::DataType::F32:
-      return run<float>(reinterpret_cast<const float*>(x.untyped_data()),
-                        reinterpret_cast<float*>(out->untyped_data()), n,
-                        static_cast<int64_t>(x.element_type()), timeout_s);
+      return run_typed<float>(xs, outs, ffi::DataType::F32, scale, timeout_s);
     case ffi::DataType::F64:
-      return run<double>(reinterpret_cast<const double*>(x.untyped_data()),
-                         reinterpret_cast<double*>(out->untyped_data()), n,
-                         static_cast<int64_t>(x.element_type()), timeout_s);
+      return run_typed<double>(xs, outs, ffi::DataType::F64, scale, timeout_s);
     default:
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         "fdp shared-memory all-reduce sums float32 and float64 only");
@@ -240,8 +313,9 @@ ffi::Error ShmSumImpl(ffi::AnyBuffer x, ffi::AnyBuffer after, ffi::Result<ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FdpShmSum, ShmSumImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<double>("scale")
                                   .Attr<double>("timeout_s"));
 
 extern "C" {
