@@ -173,6 +173,7 @@ if args.trace_steps:
     runs = _overlap_trace.thunk_intervals(events, module)
     traced = _overlap_trace.overlap(runs, _overlap_trace.collectives(compiled.as_text()))
     traced["module"] = module
+    traced["op_ms"] = _overlap_trace.op_times(runs)
 if rank == 0:
     record = result_record("fdp", args, nproc, params, rounds, losses)
     record["trace"] = traced

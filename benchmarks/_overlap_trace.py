@@ -233,6 +233,27 @@ def overlap(runs: dict[str, list[dict]], colls: dict[str, tuple[str, int]]) -> d
     return {"buckets": buckets, "step": summary}
 
 
+def op_times(runs: dict[str, list[dict]], top: int | None = None) -> dict[str, float]:
+    """Median milliseconds per step of each instruction's thunks, largest first.
+
+    An instruction whose thunk runs several times in one step counts the sum. Spans of
+    parents (``while``, ``call``) include their children's time.
+
+    >>> t = lambda op, start, end: {"op": op, "start": start, "end": end, "tid": 1}
+    >>> op_times({"1": [t("a", 0, 2000), t("a", 3000, 4000)], "2": [t("a", 0, 1000)]})
+    {'a': 2.0}
+    """
+    per_step: dict[str, list[float]] = defaultdict(list)
+    for thunks in runs.values():
+        acc: dict[str, float] = defaultdict(float)
+        for t in thunks:
+            acc[t["op"]] += (t["end"] - t["start"]) / 1e3
+        for op, ms in acc.items():
+            per_step[op].append(ms)
+    med = {op: statistics.median(ms) for op, ms in per_step.items()}
+    return dict(sorted(med.items(), key=lambda kv: -kv[1])[:top])  # top=None: all
+
+
 def _disjoint(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The union of intervals as disjoint (start, end) pieces."""
     out: list[list[float]] = []
