@@ -32,18 +32,31 @@ def two_processes(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_bucket_sum_has_numpys_bits_of_the_scaled_sum(two_processes):
-    """One call sums a bucket of three arrays, each element as a * s + b * s in float32
-    (the chunk boundary falls inside the second array): numpy's rounding, bit for bit."""
-    (rank0, rank1), _ = two_processes
-    draws = np.random.default_rng(7)
-    data = [[draws.normal(size=(1, n)).astype(np.float32) for n in (5, 1001, 3)] for _ in range(2)]
-    for name, scale in (("half", np.float32(0.5)), ("third", np.float32(1) / np.float32(3))):
-        for i in range(3):
-            expected = data[0][i] * scale + data[1][i] * scale
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bucket_sum_has_numpys_bits_of_the_scaled_sum(tmp_path, world):
+    """One call sums a bucket of four arrays, each element as x0 * s + x1 * s (+ x2 * s)
+    in float32, in rank order (chunk boundaries fall inside arrays): numpy's rounding, bit
+    for bit, on every rank, on every call."""
+    tag = uuid.uuid4().hex
+    try:
+        nproc = ["--nproc-per-node", str(world)]
+        done = launch(nproc, "shm_bucket_sum.py", ["--out", tmp_path], tag)
+    finally:
+        left = survivors(tag)
+    assert done.returncode == 0 and not left, done.output
+    draws = np.random.default_rng(3)
+    sizes = (7, 1001, 2, 31)
+    data = [[draws.normal(size=(1, n)).astype(np.float32) for n in sizes] for _ in range(world)]
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
+    for name, scale in (("mean", np.float32(1) / np.float32(world)), ("0.3", np.float32(0.3))):
+        for i in range(len(sizes)):
+            expected = data[0][i] * scale
+            for q in range(1, world):
+                expected = expected + data[q][i] * scale
             assert expected.dtype == np.float32
-            np.testing.assert_array_equal(rank0[f"sum/{name}/{i}"], expected)
-            np.testing.assert_array_equal(rank1[f"sum/{name}/{i}"], expected)
+            for r, got in enumerate(ranks):
+                for call in range(3):
+                    np.testing.assert_array_equal(got[f"{name}/{call}/{i}"], expected, f"{r}")
 
 
 @pytest.mark.multiprocess

@@ -5,8 +5,7 @@
 Under `fdp launch`, one CPU device per process: 4 Adam steps of a small MLP with
 tiny buckets (several per step), both layouts, each hook; each rank writes its final
 parameters to DIR/rank{R}.npz, with the compiled programs' shared-memory calls (the
-operands of each) and, for one bucket of three arrays, the scaled sums of both ranks'
-seeded data. The layers have odd widths, so buffers split unevenly between processes.
+operands of each). The layers have odd widths, so buffers split unevenly between processes.
 Then rank R sleeps before one more shared-memory sum whose peers wait
 2 s: each rank writes the error it got to DIR/stall{R}.txt.
 """
@@ -31,7 +30,7 @@ from flax.training.train_state import TrainState  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fdp  # noqa: E402
-from fdp.collectives._shm import ordered, shm_sum, shm_sum_bucket  # noqa: E402
+from fdp.collectives._shm import ordered, shm_sum  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _models import MLP, cross_entropy, make_data  # noqa: E402
@@ -72,26 +71,6 @@ for layout in ("flat", "leaves"):
                 leaf.addressable_shards[0].data
             )
 
-
-def bucket_sum(scale):
-    def body(a, b, c):
-        with ordered():
-            return tuple(shm_sum_bucket([a, b, c], fdp.DATA_AXIS, scale=scale))
-
-    spec = P(fdp.DATA_AXIS)
-    return jax.jit(
-        jax.shard_map(body, mesh=fdp.data_mesh(), in_specs=(spec,) * 3, out_specs=(spec,) * 3)
-    )
-
-
-# One bucket of three arrays, 1009 elements: the rank-0/rank-1 chunk boundary (505)
-# falls inside the second array. Every rank draws both ranks' data; it sums its own.
-draws = np.random.default_rng(7)
-mine = [[draws.normal(size=(1, n)).astype(np.float32) for n in (5, 1001, 3)] for _ in range(2)]
-for name, scale in (("half", 0.5), ("third", float(np.float32(1) / np.float32(3)))):
-    sums = bucket_sum(scale)(*[fdp.shard_batch(x) for x in mine[rank]])
-    for i, total in enumerate(sums):
-        results[f"sum/{name}/{i}"] = np.asarray(total.addressable_shards[0].data)
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
 
 
