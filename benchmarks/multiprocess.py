@@ -50,6 +50,16 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{model}-batch", type=int, default=size)
 
 
+def add_run_args(parser: argparse.ArgumentParser, *, steps: int = 20, rounds: int = 3) -> None:
+    """The options :func:`run_one` reads: timing, bucket cap, batch sizes, timeout."""
+    parser.add_argument("--steps", type=int, default=steps, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    add_batch_args(parser)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+
+
 def batch_sizes(args: argparse.Namespace) -> dict[str, int]:
     """``{model: examples per process}`` from :func:`add_batch_args`' options."""
     return {model: getattr(args, f"{model}_batch") for model in BATCH}
@@ -143,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="mlp,transformer")
     parser.add_argument("--nprocs", default="1,2")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    add_batch_args(parser)
+    add_run_args(parser)
     parser.add_argument(
         "--fdp-arg",
         action="append",
@@ -172,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
             "as fdp's plan has; a variant row, its ratio to torch in the fdp columns)"
         ),
     )
-    parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.batch = batch_sizes(args)

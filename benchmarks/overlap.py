@@ -162,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", choices=("trace", "differencing"), default="trace")
     parser.add_argument("--models", default="mlp,transformer")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="differencing's cap")
+    multiprocess.add_run_args(parser, steps=10)  # --bucket-cap-mb: differencing's cap
     parser.add_argument("--caps", default="25,5", help="trace: bucket caps (MB) to profile")
     parser.add_argument(
         "--variants",
@@ -174,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "fdp-unpinned (fdp launch --no-cpu-binding), torch (PyTorch DDP)",
     )
     parser.add_argument("--trace-steps", type=int, default=5, help="trace: steps profiled")
-    multiprocess.add_batch_args(parser)
     parser.add_argument("--layout", default="auto")
-    parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.batch = multiprocess.batch_sizes(args)

@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from multiprocess import add_batch_args, batch_sizes, run_one
+from multiprocess import add_run_args, batch_sizes, run_one
 
 ONE_CORE = {"prefix": ["taskset", "-c", "0"], "env": {"OMP_NUM_THREADS": "1"}}
 # name -> (framework of run_one, processes, extra settings)
@@ -118,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    add_batch_args(parser)
-    parser.add_argument("--timeout", type=int, default=900)
+    add_run_args(parser)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.batch = batch_sizes(args)

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from multiprocess import add_batch_args, batch_sizes, run_one
+from multiprocess import add_run_args, batch_sizes, run_one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         help="name=regex (repeatable): also show the summed time of the instructions "
         "whose names match, e.g. 'collectives=ffi_call|psum'",
     )
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    add_batch_args(parser)
-    parser.add_argument("--timeout", type=int, default=900)
+    add_run_args(parser, steps=10, rounds=1)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.batch = batch_sizes(args)
