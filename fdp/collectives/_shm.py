@@ -339,7 +339,7 @@ def shm_sum_bucket(
             "loop opens it), so that every process runs its sums in one order."
         )
     live = [i for i, x in enumerate(xs) if x.size]
-    out = [x * factor if scale != 1 else x for x in xs]  # the empty ones stay so
+    out = list(xs)  # the empty arrays stay as they are; the others are replaced below
     if not live:
         return out
     group(sum(xs[i].size for i in live) * dtype.itemsize, timeout)

@@ -25,7 +25,9 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
     bucket in either layout, on the gradients as they are: no flat buffer is
     packed (the copy that ``layout='flat'`` costs with XLA's all-reduce), and
     the division by the world size is done on the way in. With two processes
-    the result has the same bits as gloo's sum.
+    the result has the bits of XLA's gloo all-reduce of the same gradients
+    (``layout='leaves'``; XLA's ``'flat'`` program rounds some gradients
+    differently, ~1e-7).
 
     Needs one CPU device per process, every process of the run on one host, and
     a C++ compiler at the first step (the FFI file is compiled once and cached

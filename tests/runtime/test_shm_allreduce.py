@@ -7,6 +7,8 @@ before a last shared-memory sum.
 
 import uuid
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -55,8 +57,22 @@ def test_a_bucket_sum_has_numpys_bits_of_the_scaled_sum(tmp_path, world):
                 expected = expected + data[q][i] * scale
             assert expected.dtype == np.float32
             for r, got in enumerate(ranks):
+                assert got[f"{name}/aliased"], "the sums did not run in place of their inputs"
                 for call in range(3):
                     np.testing.assert_array_equal(got[f"{name}/{call}/{i}"], expected, f"{r}")
+    for got in ranks:  # a bucket split otherwise on another rank is an error, not a sum
+        assert "split into different buffers" in str(got["split_error"]), got["split_error"]
+
+
+def test_the_scale_rounds_as_xla_divides_by_the_world_size():
+    """The hook multiplies by float32(1) / float32(n): XLA:CPU's ``g / n`` is that
+    multiplication, which for n = 3 is not the true quotient."""
+    x = np.random.default_rng(0).normal(size=4096).astype(np.float32)
+    for n in (2, 3, 6, 7):
+        xla = np.asarray(jax.jit(lambda v, n=n: v / jnp.asarray(n, v.dtype))(x))
+        np.testing.assert_array_equal(xla, x * (np.float32(1) / np.float32(n)), f"n={n}")
+        if n == 3:
+            assert not np.array_equal(xla, x / np.float32(3))  # the check can fail
 
 
 @pytest.mark.multiprocess

@@ -17,9 +17,10 @@
 // has passed the next call's first barrier, i.e. has finished reading it: two
 // barriers per call. The sum of every element is formed once, by its owner, in rank
 // order, so every process gets the same bits; x * scale rounds as XLA's division by
-// the world size does (XLA turns it into a multiplication by the reciprocal), so the
-// bits are those of fdp's gloo path. A peer that does not arrive within the timeout
-// turns into an error naming it.
+// the world size does (XLA turns it into a multiplication by the reciprocal), so with
+// two processes the bits are those of XLA's gloo all-reduce of the same (unpacked)
+// gradients. A peer that does not arrive within the timeout turns into an error naming
+// it, and so does a peer whose bucket has another size, dtype or split into buffers.
 #include <sched.h>
 #include <time.h>
 
@@ -66,6 +67,12 @@ std::atomic<int64_t>* call_of(int rank) {
 // could otherwise pass a barrier and read a stale slot).
 std::atomic<uint64_t>* failed_of(int rank) {
   return reinterpret_cast<std::atomic<uint64_t>*>(g_group.bases[rank] + 16);
+}
+
+// The split of a rank's current bucket into buffers (a hash of their sizes), written
+// with call_of: ranks whose buckets have the same bytes but other buffers must not sum.
+std::atomic<uint64_t>* split_of(int rank) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(g_group.bases[rank] + 24);
 }
 
 char* input_slot(int rank, int parity) {
@@ -143,6 +150,15 @@ struct Bucket {
   std::vector<T*> out;
   std::vector<int64_t> begin;  // flat offset of each buffer; begin.back() == n
   T scale;
+
+  // FNV-1a over the buffers' sizes: equal on every rank that sums the same split.
+  uint64_t split() const {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t b = 1; b < begin.size(); ++b) {
+      h = (h ^ static_cast<uint64_t>(begin[b] - begin[b - 1])) * 1099511628211ull;
+    }
+    return h;
+  }
 
   // Calls f(in, out, flat offset, count) for each piece of flat elements [lo, hi).
   template <typename F>
@@ -230,7 +246,9 @@ ffi::Error run(const Bucket<T>& bucket, int64_t dtype, double timeout_s) {
                   });
   }
   const int64_t mine_call = bytes * 256 + dtype;
+  const uint64_t mine_split = bucket.split();
   call_of(rank)->store(mine_call, std::memory_order_relaxed);
+  split_of(rank)->store(mine_split, std::memory_order_relaxed);
   auto missing = barrier(2 * call + 1, timeout_s);
   if (!missing.empty()) return missing_error(missing, call, timeout_s);
   for (int q = 0; q < world; ++q) {
@@ -243,6 +261,14 @@ ffi::Error run(const Bucket<T>& bucket, int64_t dtype, double timeout_s) {
               std::to_string(dtype) + " but rank " + std::to_string(q) + " sums " +
               std::to_string(theirs / 256) + " bytes of type " + std::to_string(theirs % 256) +
               " (the processes run different programs or buckets)"));
+    }
+    if (split_of(q)->load(std::memory_order_relaxed) != mine_split) {
+      return fail(ffi::Error(
+          ffi::ErrorCode::kFailedPrecondition,
+          "fdp shared-memory all-reduce: at call " + std::to_string(call) + " rank " +
+              std::to_string(rank) + " and rank " + std::to_string(q) + " sum buckets of " +
+              std::to_string(bytes) + " bytes split into different buffers (the processes "
+              "run different programs or buckets)"));
     }
   }
   int64_t lo = rank * chunk, hi = std::min(n, lo + chunk);
@@ -260,6 +286,13 @@ ffi::Error run(const Bucket<T>& bucket, int64_t dtype, double timeout_s) {
   return ffi::Error::Success();
 }
 
+// An argument error: marks the group failed (when there is one), so that peers stop
+// at their next barrier with an error naming this rank rather than wait out the timeout.
+ffi::Error bad_call(const std::string& what) {
+  ffi::Error e(ffi::ErrorCode::kInvalidArgument, "fdp shared-memory all-reduce: " + what);
+  return g_group.world == 0 ? e : fail(e);
+}
+
 template <typename T>
 ffi::Error run_typed(ffi::RemainingArgs xs, ffi::RemainingRets outs, ffi::DataType type,
                      double scale, double timeout_s) {
@@ -270,14 +303,12 @@ ffi::Error run_typed(ffi::RemainingArgs xs, ffi::RemainingRets outs, ffi::DataTy
     auto x = xs.get<ffi::AnyBuffer>(b);
     auto out = outs.get<ffi::AnyBuffer>(b);
     if (!x.has_value() || !out.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        "fdp shared-memory all-reduce: buffer " + std::to_string(b) +
-                            " could not be read");
+      return bad_call("buffer " + std::to_string(b) + " could not be read");
     }
-    if (x->element_type() != type || (*out)->element_count() != x->element_count()) {
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                        "fdp shared-memory all-reduce: the buffers of one bucket must share "
-                        "one dtype, each output the size of its input");
+    if (x->element_type() != type || (*out)->element_type() != type ||
+        (*out)->element_count() != x->element_count()) {
+      return bad_call("the buffers of one bucket must share one dtype, each output the "
+                      "size of its input");
     }
     bucket.in.push_back(reinterpret_cast<const T*>(x->untyped_data()));
     bucket.out.push_back(reinterpret_cast<T*>((*out)->untyped_data()));
@@ -292,19 +323,17 @@ ffi::Error ShmSumImpl(ffi::AnyBuffer after, ffi::RemainingArgs xs, ffi::Remainin
                       double scale, double timeout_s) {
   (void)after;
   if (xs.size() == 0 || xs.size() != outs.size()) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "fdp shared-memory all-reduce: expected one output per input buffer");
+    return bad_call("expected one output per input buffer");
   }
   auto first = xs.get<ffi::AnyBuffer>(0);
-  if (!first.has_value()) return first.error();
+  if (!first.has_value()) return bad_call("buffer 0 could not be read");
   switch (first->element_type()) {
     case ffi::DataType::F32:
       return run_typed<float>(xs, outs, ffi::DataType::F32, scale, timeout_s);
     case ffi::DataType::F64:
       return run_typed<double>(xs, outs, ffi::DataType::F64, scale, timeout_s);
     default:
-      return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        "fdp shared-memory all-reduce sums float32 and float64 only");
+      return bad_call("sums float32 and float64 only");
   }
 }
 
