@@ -5,9 +5,9 @@
 Under `fdp launch`, one CPU device per process: 4 Adam steps of a small MLP with
 tiny buckets (several per step), both layouts, each hook; each rank writes its final
 parameters to DIR/rank{R}.npz, with the compiled programs' shared-memory calls (the
-operands of each). The layers have odd widths, so buffers split unevenly between processes.
-Then rank R sleeps before one more shared-memory sum whose peers wait
-2 s: each rank writes the error it got to DIR/stall{R}.txt.
+operands of each). The layers have odd widths, so buffers split unevenly between
+processes. Then rank R sleeps before one more shared-memory sum whose peers wait 2 s:
+each rank writes the error it got to DIR/stall{R}.txt.
 """
 
 import argparse
@@ -70,7 +70,6 @@ for layout in ("flat", "leaves"):
             results[f"{layout}/{hook}/{jax.tree_util.keystr(path)}"] = np.asarray(
                 leaf.addressable_shards[0].data
             )
-
 np.savez(os.path.join(args.out, f"rank{rank}.npz"), **results)
 
 

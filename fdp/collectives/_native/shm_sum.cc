@@ -1,7 +1,8 @@
 // fdp's shared-memory sum across the processes of one host (CPU only).
 //
 // Each process maps one region per peer (set up from Python, fdp/collectives/_shm.py)
-// laid out as: a 64-byte header (the epoch this process has reached), then for each
+// laid out as: a 64-byte header (the epoch this process has reached, its call's size
+// and dtype, a failed flag, its bucket's split into buffers), then for each
 // call parity (0, 1) an input slot of `capacity` bytes and a result slot of
 // `capacity / world` (rounded up) bytes. A call sums one bucket: its gradients, passed
 // as separate buffers (no packing into a flat buffer) and read as one flat buffer of n
