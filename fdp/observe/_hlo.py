@@ -57,6 +57,9 @@ _MLIR_BITS = {
     "f8E5M2": 8,
 }
 _HLO_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# fdp's shared-memory sum (fdp.hooks.shm_allreduce, the default on CPU processes of one
+# host): an FFI custom call, listed as the kind "shm-sum".
+_SHM_TARGET = "fdp_shm_sum"
 _MLIR_OPS = {
     "all_reduce": "all-reduce",
     "all_gather": "all-gather",
@@ -71,8 +74,9 @@ class Collective:
     """One collective op.
 
     Attributes:
-      kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
-        ``collective-permute``.
+      kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``,
+        ``collective-permute``, or ``shm-sum`` (fdp's all-reduce through shared
+        memory between the processes of one host).
       dtypes: element type of each result (HLO spelling, e.g. ``f32``, ``bf16``).
       shapes: shape of each result, per device.
       nbytes: bytes of all results, per device.
@@ -97,7 +101,8 @@ class Collective:
 
         all-reduce ``2 (g-1)/g x B``; all-gather ``(g-1)/g x B`` (B: the gathered
         result); reduce-scatter ``(g-1) x B`` (B: the scattered result);
-        all-to-all ``(g-1)/g x B``; collective-permute ``B``.
+        all-to-all ``(g-1)/g x B``; collective-permute ``B``; shm-sum ``B`` (written
+        to shared memory: the peers' shares, then this process's summed share).
         """
         g = self.group_size
         factor = {
@@ -106,6 +111,7 @@ class Collective:
             "reduce-scatter": g - 1,
             "all-to-all": (g - 1) / g,
             "collective-permute": 1,
+            "shm-sum": 1,
         }[self.kind]
         return factor * self.nbytes
 
@@ -152,8 +158,11 @@ def _hlo_ops(text: str) -> list[Collective]:
     pattern = re.compile(
         r"=\s*(?P<types>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_HLO_OPS) + r")(?:-start)?\("
     )
+    shm = re.compile(r"=\s*(?P<types>\(.*?\)|\S+)\s+custom-call\(")
     for line in text.splitlines():
         m = pattern.search(line)
+        if not m and f'custom_call_target="{_SHM_TARGET}"' in line:
+            m = shm.search(line)
         if not m:
             continue
         shapes, dtypes, nbytes = [], [], 0
@@ -165,8 +174,9 @@ def _hlo_ops(text: str) -> list[Collective]:
             dtypes.append(dt)
             nbytes += math.prod(shape) * _HLO_BITS[dt] // 8
         groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)
+        kind = m.groupdict().get("op") or "shm-sum"
         ops.append(
-            Collective(m["op"], tuple(dtypes), tuple(shapes), nbytes, groups[1] if groups else "")
+            Collective(kind, tuple(dtypes), tuple(shapes), nbytes, groups[1] if groups else "")
         )
     return ops
 
@@ -201,6 +211,12 @@ def _stablehlo_ops(text: str) -> list[Collective]:
     lines = text.splitlines()
     op_re = re.compile(r'"?stablehlo\.(' + "|".join(_MLIR_OPS) + r')"?[\s(]')
     for i, line in enumerate(lines):
+        if f"stablehlo.custom_call @{_SHM_TARGET}(" in line:
+            types = _mlir_types(line.rsplit("->", 1)[-1])
+            nbytes = sum(math.prod(shape) * _MLIR_BITS.get(dt, 32) // 8 for dt, shape in types)
+            dtypes = tuple(_MLIR_TO_HLO.get(dt, dt) for dt, _ in types)
+            ops.append(Collective("shm-sum", dtypes, tuple(s for _, s in types), nbytes, ""))
+            continue
         m = op_re.search(line)
         if not m:
             continue

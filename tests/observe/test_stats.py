@@ -83,3 +83,26 @@ def test_info_samples_and_logs_the_sampled_steps(caplog):
     assert logged[-1].startswith("fdp.train_step: step 10: ")
     assert f"all-reduced {step.plan.nbytes + 4} bytes per device per step" in logged[-1]
     assert step.stats()["steps"] == 12 and step.stats()["sampled_steps"] == 9
+
+
+# Lines as jaxlib 0.10.2 writes fdp's shared-memory sum of a 2-array bucket (shortened).
+_SHM_HLO = (
+    "  %custom-call.3 = (f32[33]{0}, f32[64,33]{1,0}) custom-call(f32[1]{0} %t, f32[33]{0} %b, "
+    'f32[64,33]{1,0} %w), custom_call_target="fdp_shm_sum", custom_call_has_side_effect=true'
+)
+_SHM_STABLEHLO = (
+    "    %132:2 = stablehlo.custom_call @fdp_shm_sum(%131, %123, %122) {has_side_effect = true, "
+    "mhlo.backend_config = {scale = 5.000000e-01 : f64}} : (tensor<1xf32>, tensor<33xf32>, "
+    "tensor<64x33xf32>) -> (tensor<33xf32>, tensor<64x33xf32>)"
+)
+
+
+@pytest.mark.parametrize("text", [_SHM_HLO, "module @m {\n" + _SHM_STABLEHLO + "\n}"])
+def test_shared_memory_sums_are_listed_with_their_bytes(text):
+    """The default hook's sums on CPU processes of one host are fdp's FFI calls, not XLA
+    collectives: the stats list them as 'shm-sum', with the bucket's bytes as sent."""
+    stats = fdp.collective_stats(text)
+    nbytes = (33 + 64 * 33) * 4
+    assert stats.summary() == {"shm-sum": {"count": 1, "bytes": nbytes}}
+    assert stats.sent_bytes() == nbytes and stats.count("all-reduce") == 0
+    assert stats.ops[0].shapes == ((33,), (64, 33)) and stats.ops[0].dtypes == ("f32", "f32")
