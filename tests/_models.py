@@ -72,3 +72,21 @@ def reference_steps(state, batches, loss_fn):
         state, loss = step(state, jax.device_put(batch, device))
         losses.append(float(loss))
     return state, losses
+
+
+def train_tiny_buckets(model, params, tx, batches, *, hook, layout):
+    """``fdp.train_step`` of ``model`` with buckets of a few KiB (several per step), run
+    from ``params`` over ``batches`` (placed); returns ``(state, step)``."""
+    import fdp
+
+    state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=tx))
+    step = fdp.train_step(
+        cross_entropy(model.apply),
+        comm_hook=hook,
+        layout=layout,
+        bucket_cap_mb=0.004,
+        first_bucket_cap_mb=0.002,
+    )
+    for batch in batches:
+        state, _ = step(state, batch)
+    return state, step

@@ -81,3 +81,20 @@ def test_torch_intervals_name_buckets_in_launch_order_within_each_step():
     colls = {"bucket0": ("gloo:all_reduce", 8), "bucket1": ("gloo:all_reduce", 8)}
     result = trace.overlap(runs, colls)
     assert result["buckets"][0]["hidden_ms"] == 5 / 1e3  # median of 10 and 0 us
+
+
+def test_the_bound_counts_every_byte_the_shared_memory_sum_moves():
+    """shm_bound.py's traffic, against the kernel's three passes counted one by one: copy
+    the peers' shares in (read and write each), sum one's own share (read it from every
+    process, write it to the output and to shared memory), copy the peers' sums out."""
+    bound = _load("shm_bound")
+    result = doctest.testmod(bound)
+    assert result.attempted >= 2 and result.failed == 0
+    for world in range(2, 6):
+        share = 4096
+        n = share * world
+        copy_in = 2 * (world - 1) * share
+        summed = world * share + 2 * share
+        copy_out = 2 * (world - 1) * share
+        expected = copy_in + summed + copy_out
+        assert abs(bound.traffic_bytes(n, world) - expected) < 1e-9 * expected, world

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import ctypes
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 TARGET = "fdp_shm_sum"
 SOURCE = Path(__file__).with_name("_native") / "shm_sum.cc"
 CAPACITY_ENV = "FDP_SHM_CAPACITY_MB"
+# "0" (or false/off/no) in any process: the default hook keeps XLA's all-reduce everywhere.
+ENABLE_ENV = "FDP_SHM_ALLREDUCE"
 DEFAULT_CAPACITY_MB = 1024
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _HEADER = 64
@@ -52,6 +55,9 @@ _state: dict[str, Any] = {}
 # Inside ordered(): the last shared-memory sum of each trace, as [trace state, last]
 # pairs (trace states compare with == but do not hash); see shm_sum.
 _chain: contextvars.ContextVar[list[list[Any]]] = contextvars.ContextVar("fdp_shm_chain")
+# Inside ordered(largest=...): the bytes of the program's largest bucket, which the
+# default hook's set-up reserves before it agrees to sum through shared memory.
+_largest: contextvars.ContextVar[int] = contextvars.ContextVar("fdp_shm_largest", default=0)
 
 
 def _cache_dir() -> Path:
@@ -87,7 +93,13 @@ def library() -> ctypes.CDLL:
                 built = Path(tmp) / target.name
                 cmd = [cxx, *CXXFLAGS, "-I", include]
                 cmd += [str(SOURCE), "-o", str(built)]
-                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                try:
+                    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                except OSError as e:
+                    raise RuntimeError(
+                        f"comm_hook='shm_allreduce' could not run the C++ compiler {cxx!r} "
+                        f"({e.strerror}); install g++ (or clang++) or set CXX."
+                    ) from e
                 if done.returncode != 0:
                     raise RuntimeError(
                         f"comm_hook='shm_allreduce': compiling {SOURCE.name} with {cxx} failed "
@@ -137,71 +149,133 @@ def _layout(capacity: int, world: int) -> tuple[int, int, int]:
     return chunk, parity, _HEADER + 2 * parity
 
 
-def _install(timeout: float) -> dict[str, Any]:
-    """Maps every process's region (a collective: all processes call it once, in step)."""
+def _switched_off() -> str:
+    """Why this process's environment turns the default shared-memory sum off, or ''.
+
+    Raises:
+      ValueError: ``FDP_SHM_ALLREDUCE`` is neither on nor off.
+    """
+    raw = os.environ.get(ENABLE_ENV, "")
+    value = raw.strip().lower()
+    if value in ("", "1", "true", "on", "yes"):
+        return ""
+    if value in ("0", "false", "off", "no"):
+        return f"{ENABLE_ENV}={raw}"
+    raise ValueError(f"{ENABLE_ENV} must be 1 or 0 (true/false, on/off), got {raw!r}.")
+
+
+def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[str, Any] | None:
+    """Maps every process's region (a collective: all processes call it once, in step).
+
+    With ``optional`` (the default hook), every process first says what would stop it
+    (``FDP_SHM_ALLREDUCE=0``, no compiler, another host, a ``/dev/shm`` that cannot
+    hold ``want`` bytes of buckets, a peer's file it cannot see); if any process
+    names anything, every process gets None and keeps XLA's all-reduce. Without it,
+    those are errors, as ``comm_hook='shm_allreduce'`` asks for this path.
+    """
     from fdp.runtime import Store
 
-    lib = library()
     rank, world = jax.process_index(), jax.process_count()
+    obstacle = _switched_off() if optional else ""
+    lib = None
+    if not obstacle:
+        try:
+            lib = library()
+        except (RuntimeError, OSError) as e:
+            if not optional:
+                raise
+            obstacle = str(e).splitlines()[0]
     capacity = _capacity()
+    if optional and not obstacle and want > capacity:
+        obstacle = f"a bucket of {want / 2**20:.1f} MiB is over {CAPACITY_ENV}"
     chunk, _, size = _layout(capacity, world)
     store = Store("fdp-shm", timeout=timeout)
-    store.set(f"host/{rank}", f"{capacity} {_host_id()}")
-    seen = {q: store.get(f"host/{q}").decode().split(" ", 1) for q in range(world)}
-    sizes = {q: int(c) for q, (c, _) in seen.items()}
+    store.set(f"host/{rank}", json.dumps([capacity, _host_id(), obstacle]))
+    seen = {q: json.loads(store.get(f"host/{q}").decode()) for q in range(world)}
+    sizes = {q: c for q, (c, _, _) in seen.items()}
     if len(set(sizes.values())) > 1:
         raise ValueError(
             f"{CAPACITY_ENV} must be the same in every process; got (rank: bytes) {sizes}."
         )
-    others = sorted(q for q, (_, h) in seen.items() if h != seen[0][1])
-    if others:
+    others = sorted(q for q, (_, h, _) in seen.items() if h != seen[0][1])
+    if others and not optional:
         raise ValueError(
             "comm_hook='shm_allreduce' needs every process on one host (shared memory); "
             f"ranks {others} are not on rank 0's host {seen[0][1]!r}. "
             "Use comm_hook='allreduce'."
         )
+    obstacles = {q: o for q, (_, _, o) in seen.items() if o}
+    obstacles.update({q: "not on rank 0's host" for q in others})
+    if obstacles:
+        return _decline(obstacles)
     fd, path = tempfile.mkstemp(prefix=f"fdp-shm-{os.getpid()}-", dir="/dev/shm")
     maps: list[mmap.mmap] = []
+    mine: dict[str, Any] = {"fd": fd, "capacity": capacity, "world": world, "rank": rank}
+    mine["reserved"] = 0
     try:
         os.ftruncate(fd, size)  # sparse: pages are taken by _reserve, bucket by bucket
-        mine = mmap.mmap(fd, size)
+        maps.append(mmap.mmap(fd, size))
         store.set(f"path/{rank}", path)
         for q in range(world):
             if q == rank:
-                maps.append(mine)
                 continue
             peer = store.get(f"path/{q}").decode()
             try:
                 pfd = os.open(peer, os.O_RDWR)
             except FileNotFoundError as e:
+                if optional:
+                    obstacle = f"rank {q}'s {peer} is not visible (no shared /dev/shm)"
+                    break
                 raise ValueError(
                     f"comm_hook='shm_allreduce': rank {q}'s {peer} is not visible here: the "
                     "processes do not share /dev/shm (separate containers?). Use "
                     "comm_hook='allreduce'."
                 ) from e
             try:
-                maps.append(mmap.mmap(pfd, size))
+                maps.insert(q, mmap.mmap(pfd, size))
             finally:
                 os.close(pfd)
-        store.set(f"mapped/{rank}", "1")
-        store.wait([f"mapped/{q}" for q in range(world)])
+        if optional and not obstacle:
+            try:
+                _reserve(mine, want)
+            except ValueError:
+                obstacle = f"/dev/shm cannot hold {want / 2**20:.1f} MiB of buckets"
+        store.set(f"mapped/{rank}", obstacle or "ok")
+        said = {q: store.get(f"mapped/{q}").decode() for q in range(world)}
     except BaseException:
         os.close(fd)
         raise
     finally:
         os.unlink(path)  # every peer has it mapped (or the set-up failed): no file is left
+    obstacles = {q: o for q, o in said.items() if o != "ok"}
+    if obstacles:
+        for m in maps:
+            m.close()
+        os.close(fd)
+        return _decline(obstacles)
+    assert lib is not None
     bases = (ctypes.c_void_p * world)(
         *[ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
     )
     lib.fdp_shm_install(rank, world, bases, capacity, chunk)
-    return {
-        "maps": maps,
-        "fd": fd,
-        "capacity": capacity,
-        "world": world,
-        "rank": rank,
-        "reserved": 0,
-    }
+    if optional:
+        log.info(
+            "fdp: gradients are summed through shared memory by the %d processes of this "
+            "host (%s=0 keeps XLA's all-reduce)",
+            world,
+            ENABLE_ENV,
+        )
+    return {**mine, "maps": maps}
+
+
+def _decline(obstacles: dict[int, str]) -> None:
+    """Logs why the default hook keeps XLA's all-reduce (the same on every process)."""
+    why = "; ".join(f"rank {q}: {o}" for q, o in sorted(obstacles.items()))
+    hosts = all(o == "not on rank 0's host" for o in obstacles.values())
+    switched = all(o.startswith(ENABLE_ENV) for o in obstacles.values())
+    level = logging.INFO if hosts or switched else logging.WARNING
+    log.log(level, "fdp: gradients go through XLA's all-reduce, not shared memory (%s)", why)
+    return None
 
 
 def _reserve(group: dict[str, Any], nbytes: int) -> None:
@@ -222,9 +296,10 @@ def _reserve(group: dict[str, Any], nbytes: int) -> None:
             os.posix_fallocate(group["fd"], start + group["capacity"], share)
     except OSError as e:
         raise ValueError(
-            f"comm_hook='shm_allreduce': /dev/shm could not hold this process's slots for a "
-            f"{nbytes / 2**20:.1f} MiB bucket ({e.strerror}); in Docker raise --shm-size, or "
-            "use a smaller bucket_cap_mb or comm_hook='allreduce'."
+            f"fdp's shared-memory all-reduce: /dev/shm could not hold this process's slots "
+            f"for a {nbytes / 2**20:.1f} MiB bucket ({e.strerror}); in Docker raise "
+            f"--shm-size, or use a smaller bucket_cap_mb, comm_hook='allreduce', or "
+            f"{ENABLE_ENV}=0."
         ) from e
     group["reserved"] = nbytes
 
@@ -233,33 +308,65 @@ def group(nbytes: int, timeout: float) -> dict[str, Any]:
     """This process's group, set up at its first use, with room for ``nbytes``."""
     mine = _state.get("group")
     if mine is None:
-        mine = _state["group"] = _install(timeout)
+        if "declined" in _state:
+            raise RuntimeError(
+                "comm_hook='shm_allreduce': an earlier step of this process kept XLA's "
+                "all-reduce for the default hook (the log says why), and the processes "
+                "set up shared memory once. Choose the hook in every step, or none."
+            )
+        mine = _install(timeout, want=max(nbytes, _largest.get()))
+        assert mine is not None  # not optional: every obstacle was an error
+        _state["group"] = mine
     capacity = mine["capacity"]
     if nbytes > capacity:
         raise ValueError(
-            f"comm_hook='shm_allreduce': a bucket of {nbytes / 2**20:.1f} MiB exceeds the "
-            f"shared-memory capacity of {capacity / 2**20:.0f} MiB; set {CAPACITY_ENV} "
-            "higher (before the first step) or use a smaller bucket_cap_mb."
+            f"fdp's shared-memory all-reduce: a bucket of {nbytes / 2**20:.1f} MiB exceeds "
+            f"the shared-memory capacity of {capacity / 2**20:.0f} MiB; set {CAPACITY_ENV} "
+            f"higher (before the first step), use a smaller bucket_cap_mb, or {ENABLE_ENV}=0."
         )
     _reserve(mine, nbytes)
     return mine
 
 
+def usable(axis_name: AxisName, timeout: float) -> bool:
+    """Whether the default hook sums ``axis_name`` through shared memory (decided once).
+
+    The first call (at the first step's trace, on every process) is a collective
+    that sets up the group, or finds what stops it on some process; then every
+    process gives the same answer. It reserves room for the largest bucket of the
+    program (``ordered(largest=...)``), so a small ``/dev/shm`` (Docker's 64 MiB)
+    keeps XLA's all-reduce rather than failing later.
+    """
+    if "group" in _state:
+        return True
+    if "declined" in _state or jax.process_count() == 1:
+        return False
+    check_usable(axis_name)
+    mine = _install(timeout, want=_largest.get(), optional=True)
+    if mine is None:
+        _state["declined"] = True
+        return False
+    _state["group"] = mine
+    return True
+
+
 @contextlib.contextmanager
-def ordered() -> Iterator[None]:
+def ordered(largest: int = 0) -> Iterator[None]:
     """Scope in which the shared-memory sums of one program are chained in trace order.
 
     Every process must run its sums in the same order, and XLA could otherwise run two
     independent ones at once: each sum takes the previous sum *of the same trace* as an
-    (unread) operand. Nested scopes share the outer one's chains.
+    (unread) operand. Nested scopes share the outer one's chains. ``largest``: the
+    bytes of the program's largest bucket (what the first set-up reserves).
     """
     if _chain.get(None) is not None:
         yield
         return
-    token = _chain.set([])
+    token, size = _chain.set([]), _largest.set(largest)
     try:
         yield
     finally:
+        _largest.reset(size)
         _chain.reset(token)
 
 

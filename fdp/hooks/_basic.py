@@ -67,6 +67,31 @@ def allreduce() -> CommHook:
     return with_reduce_scatter(hook, _scatter(None))
 
 
+def _default_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
+    return _allreduce_reduce(state, bucket)
+
+
+def default_allreduce() -> CommHook:
+    """What ``comm_hook=None`` means: :func:`allreduce`, marked as left to fdp.
+
+    It reduces exactly as :func:`allreduce` does. The mark lets a step bind it,
+    on CPU processes of one host, to the same mean summed through shared
+    memory (:func:`fdp.hooks.shm_allreduce`; docs/performance.md); a hook
+    passed by name or object is run as given.
+
+    Example:
+      >>> default_allreduce().name, is_default(default_allreduce()), is_default(allreduce())
+      ('allreduce', True, False)
+    """
+    hook = CommHook("allreduce", stateless_init, _default_reduce)
+    return with_reduce_scatter(hook, _scatter(None))
+
+
+def is_default(hook: CommHook) -> bool:
+    """Whether ``hook`` is :func:`default_allreduce` (the step chose no hook)."""
+    return hook.reduce is _default_reduce
+
+
 def _noop_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
     return list(bucket.gradients), state
 

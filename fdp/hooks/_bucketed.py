@@ -136,7 +136,7 @@ def reduce_with_hook(
     out = [_no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
     last = len(plan.buckets) - 1
     # Shared-memory sums (comm_hook='shm_allreduce') run in bucket order on every process.
-    with _shm.ordered():
+    with _shm.ordered(largest=max((b.nbytes for b in plan.buckets), default=0)):
         for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
             grad_bucket = GradBucket(
                 bucket,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fdp.hooks._basic import allreduce, bf16_compress, fp16_compress, noop
+from fdp.hooks._basic import allreduce, bf16_compress, default_allreduce, fp16_compress, noop
 from fdp.hooks._compressed import compressed_allreduce
 from fdp.hooks._contract import CommHook
 from fdp.hooks._powersgd import batched_powersgd, powersgd
@@ -41,7 +41,7 @@ def resolve(hook: CommHook | str | None) -> CommHook:
       'allreduce'
     """
     if hook is None:
-        return allreduce()
+        return default_allreduce()
     if isinstance(hook, CommHook):
         return hook
     if isinstance(hook, str):

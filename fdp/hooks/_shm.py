@@ -10,6 +10,7 @@ import numpy as np
 
 from fdp.collectives import _shm
 from fdp.collectives._axis import axis_size
+from fdp.hooks._basic import allreduce
 from fdp.hooks._contract import CommHook, GradBucket, HookState, stateless_init
 
 
@@ -58,3 +59,30 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
         return [t.astype(g.dtype) for t, g in zip(totals, grads, strict=True)], state
 
     return CommHook("shm_allreduce", stateless_init, reduce, vma_safe=False)
+
+
+@functools.cache
+def shm_where_possible(timeout: float = 300.0) -> CommHook:
+    """The default hook as a step binds it on CPU processes of one host.
+
+    DDP's mean (named ``allreduce``): each float32 or float64 bucket is summed as
+    :func:`shm_allreduce` sums it, once the processes have agreed at the first
+    step that they can (every process on one host, a C++ compiler, room in
+    ``/dev/shm`` for the largest bucket, ``FDP_SHM_ALLREDUCE`` not ``0`` in any
+    process). Otherwise, and for narrower buckets, XLA's all-reduce, as
+    :func:`fdp.hooks.allreduce`. The log says which, and why.
+
+    Example:
+      >>> hook = shm_where_possible()
+      >>> hook.name, hook.vma_safe
+      ('allreduce', False)
+    """
+    shm, xla = shm_allreduce(timeout), allreduce()
+
+    def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
+        wide = jnp.dtype(bucket.dtype) in _shm.DTYPES
+        if wide and _shm.usable(bucket.axis_name, timeout):
+            return shm.reduce(state, bucket)
+        return xla.reduce(state, bucket)
+
+    return CommHook("allreduce", stateless_init, reduce, vma_safe=False)

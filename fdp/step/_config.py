@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -16,9 +17,11 @@ from fdp.bucketing import cap_limits
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.hooks import CommHook, ModelAverager, resolve
+from fdp.hooks._basic import is_default
 from fdp.hooks._contract import Layout, reduce_scatter_of
 from fdp.hooks._diloco import DiLoCo
 from fdp.hooks._reduce_dtype import reduce_in
+from fdp.hooks._shm import shm_where_possible
 from fdp.hooks._two_level import hierarchical, split_axis
 from fdp.step._zero import check_stage
 
@@ -301,9 +304,38 @@ class StepConfig:
         if layout == "auto":
             layout = "flat" if cpu and jax.process_count() > 1 else "leaves"
         fold = cpu if self.fold_dots is None else self.fold_dots
-        if mesh is self.mesh and layout == self.layout and fold is self.fold_dots:
+        hook = shm_where_possible() if self._sums_in_shared_memory(mesh) else self.comm_hook
+        if (
+            mesh is self.mesh
+            and layout == self.layout
+            and fold is self.fold_dots
+            and hook is self.comm_hook
+        ):
             return self
-        return dataclasses.replace(self, mesh=mesh, layout=layout, fold_dots=fold)  # checks again
+        return dataclasses.replace(  # checks again
+            self, mesh=mesh, layout=layout, fold_dots=fold, comm_hook=hook
+        )
+
+    def _sums_in_shared_memory(self, mesh: Mesh) -> bool:
+        """Whether the default hook becomes :func:`fdp.hooks.shm_where_possible` here.
+
+        On CPU processes with one device each and the data axis over all of them,
+        with no ZeRO, hierarchy, reduce dtype or model averager to keep XLA's
+        collectives for. The processes still agree at the first step (one host,
+        a compiler, room in /dev/shm, ``FDP_SHM_ALLREDUCE``) or keep XLA's
+        all-reduce; docs/performance.md.
+        """
+        data = math.prod(mesh.shape[a] for a in axis_names_of(self.axis_name))
+        return (
+            is_default(self.comm_hook)
+            and mesh.devices.flat[0].platform == "cpu"
+            and jax.process_count() > 1
+            and data == mesh.devices.size == jax.process_count()
+            and self.zero_stage == 0
+            and not self.hierarchical
+            and self.reduce_dtype is None
+            and self.model_averager is None
+        )
 
     @property
     def bound(self) -> bool:

@@ -2,7 +2,8 @@
 
 The worker (tests/workers/shm_sum.py) trains the same start with 'allreduce' and
 'shm_allreduce' under `fdp launch`, 2 processes x 1 CPU device, and stalls one rank
-before a last shared-memory sum.
+before a last shared-memory sum. tests/workers/shm_default.py trains with no hook: fdp's
+default, which sums through shared memory when every process agrees it can.
 """
 
 import uuid
@@ -139,3 +140,85 @@ def test_capacity_setting_is_checked(monkeypatch):
 
 def test_the_hook_is_known_by_name():
     assert fdp.hooks.resolve("shm_allreduce") is fdp.hooks.shm_allreduce()
+
+
+@pytest.fixture(scope="module")
+def default_runs(tmp_path_factory):
+    """shm_default.py under `fdp launch`, 2 processes: as they are, with rank 1 opted out
+    (FDP_SHM_ALLREDUCE=0), and with rank 1 unable to compile the sum."""
+    runs = {}
+    for rank1 in ("none", "off", "no-compiler"):
+        out = tmp_path_factory.mktemp(f"default-{rank1}")
+        tag = uuid.uuid4().hex
+        try:
+            args = ["--out", out, "--rank1", rank1]
+            done = launch(["--nproc-per-node", "2"], "shm_default.py", args, tag)
+        finally:
+            left = survivors(tag)
+        assert done.returncode == 0 and not left, done.output
+        runs[rank1] = [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+    return runs
+
+
+def _params(rank, name):
+    return {k.split("/", 1)[1]: v for k, v in rank.items() if k.startswith(f"{name}/")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_default_hook_sums_through_shared_memory_on_one_host(default_runs):
+    """No comm_hook, 2 CPU processes on one host: one shared-memory call per bucket and
+    only the loss's all-reduce left to XLA; the parameters are those of XLA's all-reduce
+    ('leaves': bit for bit; 'flat', today's default layout: within 1e-6)."""
+    for rank in default_runs["none"]:
+        assert rank["shm_calls"] == rank["buckets"] > 1 and rank["all_reduces"] == 1
+        assert str(rank["hook"]) == "allreduce"  # DDP's mean: only the transport differs
+        assert "summed through shared memory by the 2 processes" in str(rank["log"])
+        got, leaves = _params(rank, "default"), _params(rank, "allreduce-leaves")
+        flat = _params(rank, "allreduce-flat")
+        assert len(got) == 6
+        for key, value in got.items():
+            np.testing.assert_array_equal(value, leaves[key], key)
+            np.testing.assert_allclose(value, flat[key], rtol=1e-6, atol=1e-8, err_msg=key)
+            np.testing.assert_array_equal(value, _params(default_runs["none"][0], "default")[key])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("rank1", "why"),
+    [
+        ("off", "rank 1: FDP_SHM_ALLREDUCE=0"),
+        ("no-compiler", "rank 1: comm_hook='shm_allreduce' could not run the C++ compiler"),
+    ],
+)
+def test_one_process_that_cannot_or_will_not_keeps_xla_everywhere(default_runs, rank1, why):
+    """When one process opts out or has no compiler, every process keeps XLA's all-reduce
+    (no hang, no mixed program), and each one's log names the rank and the reason."""
+    for rank in default_runs[rank1]:
+        assert rank["shm_calls"] == 0 and rank["all_reduces"] == rank["buckets"] + 1
+        assert f"gradients go through XLA's all-reduce, not shared memory ({why}" in str(
+            rank["log"]
+        )
+        got, flat = _params(rank, "default"), _params(rank, "allreduce-flat")
+        for key, value in got.items():
+            np.testing.assert_allclose(value, flat[key], rtol=1e-6, atol=1e-8, err_msg=key)
+
+
+def test_the_switch_names_itself_when_it_is_neither_on_nor_off(monkeypatch):
+    for value, off in (("0", True), ("off", True), ("1", False), ("", False), ("TRUE", False)):
+        monkeypatch.setenv(_shm.ENABLE_ENV, value)
+        assert bool(_shm._switched_off()) is off, value
+    monkeypatch.setenv(_shm.ENABLE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="FDP_SHM_ALLREDUCE must be 1 or 0.*'sometimes'"):
+        _shm._switched_off()
+
+
+def test_one_process_keeps_the_default_hook_as_it_is():
+    """In one process (this test's 8 CPU devices) the step binds no shared-memory sum."""
+    from fdp.hooks._basic import is_default
+    from fdp.step._config import StepConfig
+
+    bound = StepConfig().bind()
+    assert is_default(bound.comm_hook) and bound.check_vma
+    assert not is_default(StepConfig(comm_hook="allreduce").comm_hook)

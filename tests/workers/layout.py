@@ -1,7 +1,8 @@
 """Prints the layout fdp.train_step picks and the all-reduces XLA compiles (for tests).
 
 Under fdp launch with 2 processes x 1 CPU device, 'auto' must pick DDP's flat
-buckets and keep them apart in the compiled program.
+buckets, and XLA (comm_hook='allreduce') must keep them apart in the compiled program.
+The default hook sums them through shared memory there (tests/runtime/test_shm_allreduce.py).
 """
 
 import os
@@ -20,7 +21,12 @@ from _models import cross_entropy, make_data, make_state  # noqa: E402
 
 fdp.init(initialization_timeout=60)
 init = make_state("mlp", "sgd")
-step = fdp.train_step(cross_entropy(init.apply_fn), bucket_cap_mb=1e-3, first_bucket_cap_mb=1e-3)
+step = fdp.train_step(
+    cross_entropy(init.apply_fn),
+    comm_hook="allreduce",
+    bucket_cap_mb=1e-3,
+    first_bucket_cap_mb=1e-3,
+)
 state = fdp.replicate(init)
 batch = fdp.shard_batch(make_data(fdp.process_index(), 4))
 compiled = step.lower(state, batch).compile()

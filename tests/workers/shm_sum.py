@@ -26,14 +26,13 @@ jax.config.update("jax_num_cpu_devices", 1)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax.training.train_state import TrainState  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fdp  # noqa: E402
 from fdp.collectives._shm import ordered, shm_sum  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _models import MLP, cross_entropy, make_data  # noqa: E402
+from _models import MLP, make_data, train_tiny_buckets  # noqa: E402
 
 fdp.init(initialization_timeout=60)
 rank = fdp.process_index()
@@ -47,17 +46,11 @@ results = {
 }
 for layout in ("flat", "leaves"):
     for hook in ("allreduce", "shm_allreduce"):
-        state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2)))
-        step = fdp.train_step(
-            cross_entropy(model.apply),
-            comm_hook=hook,
-            layout=layout,
-            bucket_cap_mb=0.004,
-            first_bucket_cap_mb=0.002,
+        placed = [fdp.shard_batch(batch) for batch in batches]
+        state, step = train_tiny_buckets(
+            model, params, optax.adam(1e-2), placed, hook=hook, layout=layout
         )
-        for batch in batches:
-            state, _ = step(state, fdp.shard_batch(batch))
-        hlo = step.lower(state, fdp.shard_batch(batches[0])).compile().as_text()
+        hlo = step.lower(state, placed[0]).compile().as_text()
         calls = [line for line in hlo.splitlines() if 'custom_call_target="fdp_shm_sum"' in line]
         # Operands of each shared-memory call: the ordering token, then the bucket's arrays.
         results[f"calls/{layout}/{hook}"] = np.array(
