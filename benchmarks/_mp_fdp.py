@@ -23,8 +23,9 @@ parser.add_argument("--bucket-cap-mb", default="25.0", help='MiB, or "auto" (fdp
 parser.add_argument("--layout", default="auto")
 parser.add_argument(
     "--comm-hook",
-    default="allreduce",
-    help="e.g. noop: the same step without gradient communication (headroom)",
+    default="default",
+    help="default (fdp's: shared memory on one host), allreduce (XLA's all-reduce), "
+    "noop (the same step without gradient communication: headroom), ...",
 )
 parser.add_argument(
     "--trivial-loss",
@@ -94,11 +95,12 @@ def trivial_loss(params, batch):
     )
 
 
+hook = None if args.comm_hook == "default" else args.comm_hook
 step = fdp.train_step(
     trivial_loss if args.trivial_loss else jax_loss(args.model),
     bucket_cap_mb=cap,
     layout=args.layout,
-    comm_hook=args.comm_hook,
+    comm_hook=hook,
     fold_dots={"default": None, "on": True, "off": False}[args.fold_dots],
 )
 batches = [fdp.shard_batch(b) for b in make_batches(args.model, args.batch, 4, 100 + rank)]
@@ -116,7 +118,7 @@ if args.sweep_rounds:
         warmup=args.warmup,
         margin=0.0,
         finalists=1,
-        comm_hook=args.comm_hook,
+        comm_hook=hook,
     )
     if rank == 0:
         with open(args.out, "w") as f:
@@ -198,6 +200,11 @@ if rank == 0:
             else None
         ),
         comm_hook=args.comm_hook,
+        # How the compiled step sums: fdp's shared-memory calls (0: XLA's collectives).
+        shm_sums=step.lower(state, batches[0])
+        .compile()
+        .as_text()
+        .count('custom_call_target="fdp_shm_sum"'),
         trivial_loss=args.trivial_loss,
         fold_dots=step.config.fold_dots,
         xla_flags=os.environ.get("XLA_FLAGS", ""),

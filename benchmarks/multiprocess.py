@@ -102,8 +102,12 @@ def run_one(framework: str, model: str, nproc: int, args: argparse.Namespace) ->
                 # fdp before fold_dots: dense products of 3-D activations as written.
                 script += ["--fold-dots", "off"]
             if framework == "fdp-shm":
-                # The sum through shared memory instead of XLA's gloo all-reduce.
+                # The sum through shared memory, asked for by name.
                 script += ["--comm-hook", "shm_allreduce"]
+            if framework == "fdp-gloo":
+                # XLA's gloo all-reduce (fdp's default before it summed through shared
+                # memory on one host).
+                script += ["--comm-hook", "allreduce"]
             if nproc == 1:
                 cmd = [sys.executable, *script]
             else:
@@ -172,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         "--frameworks",
         default="fdp,torch",
         help=(
-            "variants run in alternating order: fdp, fdp-untuned (FDP_MALLOC_TUNING=0), "
-            "fdp-unfolded (fold_dots=False), fdp-shm (comm_hook='shm_allreduce'), torch, "
+            "variants run in alternating order: fdp (its defaults), fdp-gloo "
+            "(comm_hook='allreduce': XLA's gloo all-reduce), fdp-untuned "
+            "(FDP_MALLOC_TUNING=0), fdp-unfolded (fold_dots=False), fdp-shm "
+            "(comm_hook='shm_allreduce'), torch, "
             "torch-default (DDP without bucket_cap_mb, so with DDP's 1 MiB first bucket, "
             "as fdp's plan has; a variant row, its ratio to torch in the fdp columns)"
         ),

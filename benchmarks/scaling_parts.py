@@ -41,7 +41,7 @@ CONFIGS = {
     "fdp 1 proc 1 core": ("fdp", 1, ONE_CORE),
     "fdp 2 proc noop": ("fdp", 2, {"fdp_args": ["--comm-hook", "noop"]}),
     "fdp 2 proc": ("fdp", 2, {}),
-    "fdp-shm 2 proc": ("fdp-shm", 2, {}),
+    "fdp-gloo 2 proc": ("fdp-gloo", 2, {}),
     "torch 1 proc": ("torch", 1, {}),
     "torch 1 proc 1 core": ("torch", 1, ONE_CORE),
     "torch 2 proc noop": ("torch", 2, {"torch_args": ["--comm-hook", "noop"]}),
@@ -49,8 +49,8 @@ CONFIGS = {
 }
 # The rows: a framework's 2-process configuration and the runs its factors come from.
 ROWS = {
-    "fdp (gloo)": ("fdp", "fdp 2 proc"),
-    "fdp (shm)": ("fdp", "fdp-shm 2 proc"),
+    "fdp": ("fdp", "fdp 2 proc"),  # its default: summed through shared memory on one host
+    "fdp (gloo)": ("fdp", "fdp-gloo 2 proc"),  # comm_hook="allreduce": XLA's gloo all-reduce
     "DDP": ("torch", "torch 2 proc"),
 }
 
