@@ -74,7 +74,7 @@ def reference_steps(state, batches, loss_fn):
     return state, losses
 
 
-def train_tiny_buckets(model, params, tx, batches, *, hook, layout):
+def train_tiny_buckets(model, params, tx, batches, *, hook, layout, cap_mb=0.004):
     """``fdp.train_step`` of ``model`` with buckets of a few KiB (several per step), run
     from ``params`` over ``batches`` (placed); returns ``(state, step)``."""
     import fdp
@@ -84,8 +84,8 @@ def train_tiny_buckets(model, params, tx, batches, *, hook, layout):
         cross_entropy(model.apply),
         comm_hook=hook,
         layout=layout,
-        bucket_cap_mb=0.004,
-        first_bucket_cap_mb=0.002,
+        bucket_cap_mb=cap_mb,
+        first_bucket_cap_mb=cap_mb / 2,
     )
     for batch in batches:
         state, _ = step(state, batch)

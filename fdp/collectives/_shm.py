@@ -168,14 +168,18 @@ def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[s
     """Maps every process's region (a collective: all processes call it once, in step).
 
     With ``optional`` (the default hook), every process first says what would stop it
-    (``FDP_SHM_ALLREDUCE=0``, no compiler, another host, a ``/dev/shm`` that cannot
-    hold ``want`` bytes of buckets, a peer's file it cannot see); if any process
-    names anything, every process gets None and keeps XLA's all-reduce. Without it,
-    those are errors, as ``comm_hook='shm_allreduce'`` asks for this path.
+    (``FDP_SHM_ALLREDUCE=0``, no compiler, no ``/dev/shm`` or no room in it for
+    ``want`` bytes of buckets, another host, a peer's file it cannot open); if any
+    process names anything, every process gets None and keeps XLA's all-reduce. Each
+    process publishes its answer before it reads its peers', so none waits for one
+    that stopped. Without ``optional`` those are errors, as
+    ``comm_hook='shm_allreduce'`` asks for this path.
     """
     from fdp.runtime import Store
 
     rank, world = jax.process_index(), jax.process_count()
+    capacity = _capacity()
+    chunk, _, size = _layout(capacity, world)
     obstacle = _switched_off() if optional else ""
     lib = None
     if not obstacle:
@@ -185,75 +189,77 @@ def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[s
             if not optional:
                 raise
             obstacle = str(e).splitlines()[0]
-    capacity = _capacity()
     if optional and not obstacle and want > capacity:
         obstacle = f"a bucket of {want / 2**20:.1f} MiB is over {CAPACITY_ENV}"
-    chunk, _, size = _layout(capacity, world)
+    mine: dict[str, Any] = {"capacity": capacity, "world": world, "rank": rank, "reserved": 0}
+    if not obstacle:
+        try:
+            _open_region(mine, size)
+            if optional:
+                _reserve(mine, want)
+        except (OSError, ValueError) as e:
+            _close_region(mine)
+            if not optional:
+                raise
+            obstacle = str(e).splitlines()[0]
     store = Store("fdp-shm", timeout=timeout)
-    store.set(f"host/{rank}", json.dumps([capacity, _host_id(), obstacle]))
-    seen = {q: json.loads(store.get(f"host/{q}").decode()) for q in range(world)}
-    sizes = {q: c for q, (c, _, _) in seen.items()}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(
-            f"{CAPACITY_ENV} must be the same in every process; got (rank: bytes) {sizes}."
-        )
-    others = sorted(q for q, (_, h, _) in seen.items() if h != seen[0][1])
-    if others and not optional:
-        raise ValueError(
-            "comm_hook='shm_allreduce' needs every process on one host (shared memory); "
-            f"ranks {others} are not on rank 0's host {seen[0][1]!r}. "
-            "Use comm_hook='allreduce'."
-        )
-    obstacles = {q: o for q, (_, _, o) in seen.items() if o}
-    obstacles.update({q: "not on rank 0's host" for q in others})
-    if obstacles:
-        return _decline(obstacles)
-    fd, path = tempfile.mkstemp(prefix=f"fdp-shm-{os.getpid()}-", dir="/dev/shm")
-    maps: list[mmap.mmap] = []
-    mine: dict[str, Any] = {"fd": fd, "capacity": capacity, "world": world, "rank": rank}
-    mine["reserved"] = 0
+    peers: list[mmap.mmap] = []  # the peers' regions mapped so far
     try:
-        os.ftruncate(fd, size)  # sparse: pages are taken by _reserve, bucket by bucket
-        maps.append(mmap.mmap(fd, size))
-        store.set(f"path/{rank}", path)
+        store.set(f"host/{rank}", json.dumps([capacity, _host_id(), obstacle, mine.get("path")]))
+        seen = {q: json.loads(store.get(f"host/{q}").decode()) for q in range(world)}
+        sizes = {q: c for q, (c, _, _, _) in seen.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"{CAPACITY_ENV} must be the same in every process; got (rank: bytes) {sizes}."
+            )
+        others = sorted(q for q, (_, h, _, _) in seen.items() if h != seen[0][1])
+        if others and not optional:
+            raise ValueError(
+                "comm_hook='shm_allreduce' needs every process on one host (shared memory); "
+                f"ranks {others} are not on rank 0's host {seen[0][1]!r}. "
+                "Use comm_hook='allreduce'."
+            )
+        obstacles = {q: o for q, (_, _, o, _) in seen.items() if o}
+        obstacles.update({q: "not on rank 0's host" for q in others})
+        if obstacles:
+            _close_region(mine)
+            return _decline(obstacles)
         for q in range(world):
             if q == rank:
                 continue
-            peer = store.get(f"path/{q}").decode()
+            peer = seen[q][3]
             try:
                 pfd = os.open(peer, os.O_RDWR)
-            except FileNotFoundError as e:
-                if optional:
-                    obstacle = f"rank {q}'s {peer} is not visible (no shared /dev/shm)"
-                    break
-                raise ValueError(
-                    f"comm_hook='shm_allreduce': rank {q}'s {peer} is not visible here: the "
-                    "processes do not share /dev/shm (separate containers?). Use "
-                    "comm_hook='allreduce'."
-                ) from e
-            try:
-                maps.insert(q, mmap.mmap(pfd, size))
-            finally:
-                os.close(pfd)
-        if optional and not obstacle:
-            try:
-                _reserve(mine, want)
-            except ValueError:
-                obstacle = f"/dev/shm cannot hold {want / 2**20:.1f} MiB of buckets"
+                try:
+                    peers.append(mmap.mmap(pfd, size))
+                finally:
+                    os.close(pfd)
+            except OSError as e:
+                if not optional:
+                    raise ValueError(
+                        f"comm_hook='shm_allreduce': rank {q}'s {peer} is not usable here "
+                        f"({e.strerror}): the processes do not share /dev/shm (separate "
+                        "containers?). Use comm_hook='allreduce'."
+                    ) from e
+                obstacle = f"rank {q}'s {peer} cannot be mapped here ({e.strerror})"
+                break
         store.set(f"mapped/{rank}", obstacle or "ok")
         said = {q: store.get(f"mapped/{q}").decode() for q in range(world)}
     except BaseException:
-        os.close(fd)
+        for m in peers:
+            m.close()
+        _close_region(mine)
         raise
     finally:
-        os.unlink(path)  # every peer has it mapped (or the set-up failed): no file is left
+        _unlink(mine)  # every peer has it mapped (or the set-up ended): no file is left
     obstacles = {q: o for q, o in said.items() if o != "ok"}
     if obstacles:
-        for m in maps:
+        for m in peers:
             m.close()
-        os.close(fd)
+        _close_region(mine)
         return _decline(obstacles)
     assert lib is not None
+    maps = [*peers[:rank], mine["own"], *peers[rank:]]  # in rank order
     bases = (ctypes.c_void_p * world)(
         *[ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
     )
@@ -266,6 +272,32 @@ def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[s
             ENABLE_ENV,
         )
     return {**mine, "maps": maps}
+
+
+def _open_region(mine: dict[str, Any], size: int) -> None:
+    """Creates and maps this process's region (sparse) into ``mine``."""
+    fd, path = tempfile.mkstemp(prefix=f"fdp-shm-{os.getpid()}-", dir="/dev/shm")
+    mine["fd"], mine["path"] = fd, path
+    os.ftruncate(fd, size)  # sparse: pages are taken by _reserve, bucket by bucket
+    mine["own"] = mmap.mmap(fd, size)
+
+
+def _unlink(mine: dict[str, Any]) -> None:
+    path = mine.pop("path", None)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _close_region(mine: dict[str, Any]) -> None:
+    """Undoes :func:`_open_region` as far as it got (the pages go with the last map)."""
+    _unlink(mine)
+    own = mine.pop("own", None)
+    if own is not None:
+        own.close()
+    fd = mine.pop("fd", None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _decline(obstacles: dict[int, str]) -> None:
@@ -328,26 +360,65 @@ def group(nbytes: int, timeout: float) -> dict[str, Any]:
     return mine
 
 
-def usable(axis_name: AxisName, timeout: float) -> bool:
-    """Whether the default hook sums ``axis_name`` through shared memory (decided once).
+def usable(axis_name: AxisName, timeout: float, nbytes: int = 0) -> bool:
+    """Whether the default hook sums a bucket of ``nbytes`` through shared memory.
 
-    The first call (at the first step's trace, on every process) is a collective
-    that sets up the group, or finds what stops it on some process; then every
-    process gives the same answer. It reserves room for the largest bucket of the
-    program (``ordered(largest=...)``), so a small ``/dev/shm`` (Docker's 64 MiB)
-    keeps XLA's all-reduce rather than failing later.
+    Every process gets the same answer. The first call (at the first step's trace,
+    on every process) is a collective that sets up the group, or finds what stops
+    it on some process (then every later call says no). It reserves room for the
+    largest bucket of the program (``ordered(largest=...)``), so a small
+    ``/dev/shm`` (Docker's 64 MiB) keeps XLA's all-reduce rather than failing
+    later. A later program's larger bucket is again agreed on (:func:`_grow`).
     """
-    if "group" in _state:
-        return True
-    if "declined" in _state or jax.process_count() == 1:
-        return False
-    check_usable(axis_name)
-    mine = _install(timeout, want=_largest.get(), optional=True)
+    mine = _state.get("group")
     if mine is None:
-        _state["declined"] = True
+        if "declined" in _state or jax.process_count() == 1:
+            return False
+        check_usable(axis_name)
+        mine = _install(timeout, want=max(_largest.get(), nbytes), optional=True)
+        if mine is None:
+            _state["declined"] = True
+            return False
+        _state["group"] = mine
+    if nbytes <= mine["reserved"]:
+        return True
+    return _grow(mine, nbytes, timeout)
+
+
+def _grow(mine: dict[str, Any], nbytes: int, timeout: float) -> bool:
+    """Reserves room for a larger bucket if every process can (a collective).
+
+    Processes trace the same buckets in the same order, so the n-th growth of every
+    process is the same bucket. A size some process could not hold is not asked
+    for again: that bucket, and larger ones, go through XLA's all-reduce.
+    """
+    from fdp.runtime import Store
+
+    if nbytes >= mine.get("refused", float("inf")):
         return False
-    _state["group"] = mine
-    return True
+    obstacle = ""
+    if nbytes > mine["capacity"]:
+        obstacle = f"a bucket of {nbytes:,} bytes is over {CAPACITY_ENV}"
+    else:
+        try:
+            _reserve(mine, nbytes)
+        except ValueError as e:
+            obstacle = str(e).splitlines()[0]
+    grown = mine["grown"] = mine.get("grown", 0) + 1
+    store = Store("fdp-shm", timeout=timeout)
+    store.set(f"grow/{grown}/{mine['rank']}", obstacle or "ok")
+    said = {q: store.get(f"grow/{grown}/{q}").decode() for q in range(mine["world"])}
+    obstacles = {q: o for q, o in said.items() if o != "ok"}
+    if not obstacles:
+        return True
+    mine["refused"] = nbytes
+    why = "; ".join(f"rank {q}: {o}" for q, o in sorted(obstacles.items()))
+    log.warning(
+        "fdp: buckets of %s bytes and more go through XLA's all-reduce, not shared memory (%s)",
+        f"{nbytes:,}",
+        why,
+    )
+    return False
 
 
 @contextlib.contextmanager

@@ -70,7 +70,8 @@ def shm_where_possible(timeout: float = 300.0) -> CommHook:
     step that they can (every process on one host, a C++ compiler, room in
     ``/dev/shm`` for the largest bucket, ``FDP_SHM_ALLREDUCE`` not ``0`` in any
     process). Otherwise, and for narrower buckets, XLA's all-reduce, as
-    :func:`fdp.hooks.allreduce`. The log says which, and why.
+    :func:`fdp.hooks.allreduce`; so too for a later program's bucket larger than
+    what every process could reserve. The log says which, and why.
 
     Example:
       >>> hook = shm_where_possible()
@@ -80,8 +81,9 @@ def shm_where_possible(timeout: float = 300.0) -> CommHook:
     shm, xla = shm_allreduce(timeout), allreduce()
 
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
-        wide = jnp.dtype(bucket.dtype) in _shm.DTYPES
-        if wide and _shm.usable(bucket.axis_name, timeout):
+        dtype = jnp.dtype(bucket.dtype)
+        nbytes = sum(g.size for g in bucket.gradients) * dtype.itemsize
+        if dtype in _shm.DTYPES and _shm.usable(bucket.axis_name, timeout, nbytes):
             return shm.reduce(state, bucket)
         return xla.reduce(state, bucket)
 

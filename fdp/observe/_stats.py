@@ -127,7 +127,10 @@ class RuntimeStats:
         """The statistics as plain data (see :meth:`fdp.DataParallelStep.stats`)."""
         timed = len(self._seconds)
         total = sum(self._seconds)
-        allreduce = (self.collectives or {}).get("all-reduce", {"count": 0, "bytes": 0})
+        # fdp's shared-memory sums are all-reduces too (the default on CPU processes of
+        # one host).
+        kinds = [(self.collectives or {}).get(k, {}) for k in ("all-reduce", "shm-sum")]
+        allreduce = {key: sum(k.get(key, 0) for k in kinds) for key in ("count", "bytes")}
         return {
             "steps": self.steps,
             "sampled_steps": timed,

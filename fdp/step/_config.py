@@ -330,6 +330,7 @@ class StepConfig:
             is_default(self.comm_hook)
             and mesh.devices.flat[0].platform == "cpu"
             and jax.process_count() > 1
+            and jax.local_device_count() == 1
             and data == mesh.devices.size == jax.process_count()
             and self.zero_stage == 0
             and not self.hierarchical
@@ -340,7 +341,12 @@ class StepConfig:
     @property
     def bound(self) -> bool:
         """Whether :meth:`bind` has nothing left to resolve."""
-        return self.mesh is not None and self.layout != "auto" and self.fold_dots is not None
+        return (
+            self.mesh is not None
+            and self.layout != "auto"
+            and self.fold_dots is not None
+            and not self._sums_in_shared_memory(self.mesh)
+        )
 
     def _need_bound(self, what: str) -> Mesh:
         if self.mesh is None or not self.bound:

@@ -106,3 +106,10 @@ def test_shared_memory_sums_are_listed_with_their_bytes(text):
     assert stats.summary() == {"shm-sum": {"count": 1, "bytes": nbytes}}
     assert stats.sent_bytes() == nbytes and stats.count("all-reduce") == 0
     assert stats.ops[0].shapes == ((33,), (64, 33)) and stats.ops[0].dtypes == ("f32", "f32")
+
+
+def test_the_bytes_all_reduced_per_step_count_the_shared_memory_sums():
+    kinds = {"all-reduce": {"count": 1, "bytes": 4}, "shm-sum": {"count": 3, "bytes": 11260}}
+    stats = _stats.RuntimeStats(_stats.StatsSchedule(), collectives=kinds).as_dict()
+    assert stats["allreduce_bytes_per_step"] == 11264
+    assert stats["allreduce_count_per_step"] == 4

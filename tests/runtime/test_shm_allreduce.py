@@ -145,18 +145,25 @@ def test_the_hook_is_known_by_name():
 @pytest.fixture(scope="module")
 def default_runs(tmp_path_factory):
     """shm_default.py under `fdp launch`, 2 processes: as they are, with rank 1 opted out
-    (FDP_SHM_ALLREDUCE=0), and with rank 1 unable to compile the sum."""
+    (FDP_SHM_ALLREDUCE=0), with rank 1 unable to compile the sum, and with room for
+    buckets of 10,432 bytes only (FDP_SHM_CAPACITY_MB=0.01: the tiny buckets fit, the
+    whole model's 11,260 bytes do not)."""
     runs = {}
-    for rank1 in ("none", "off", "no-compiler"):
-        out = tmp_path_factory.mktemp(f"default-{rank1}")
+    for mode, rank1, env in (
+        ("none", "none", {}),
+        ("off", "off", {}),
+        ("no-compiler", "no-compiler", {}),
+        ("small", "none", {"FDP_SHM_CAPACITY_MB": "0.01"}),
+    ):
+        out = tmp_path_factory.mktemp(f"default-{mode}")
         tag = uuid.uuid4().hex
         try:
             args = ["--out", out, "--rank1", rank1]
-            done = launch(["--nproc-per-node", "2"], "shm_default.py", args, tag)
+            done = launch(["--nproc-per-node", "2"], "shm_default.py", args, tag, **env)
         finally:
             left = survivors(tag)
         assert done.returncode == 0 and not left, done.output
-        runs[rank1] = [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+        runs[mode] = [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
     return runs
 
 
@@ -171,8 +178,9 @@ def test_the_default_hook_sums_through_shared_memory_on_one_host(default_runs):
     only the loss's all-reduce left to XLA; the parameters are those of XLA's all-reduce
     ('leaves': bit for bit; 'flat', today's default layout: within 1e-6)."""
     for rank in default_runs["none"]:
-        assert rank["shm_calls"] == rank["buckets"] > 1 and rank["all_reduces"] == 1
-        assert str(rank["hook"]) == "allreduce"  # DDP's mean: only the transport differs
+        assert rank["default:shm_calls"] == rank["default:buckets"] > 1
+        assert rank["default:all_reduces"] == 1  # the loss
+        assert str(rank["default:hook"]) == "allreduce"  # DDP's mean; only the transport
         assert "summed through shared memory by the 2 processes" in str(rank["log"])
         got, leaves = _params(rank, "default"), _params(rank, "allreduce-leaves")
         flat = _params(rank, "allreduce-flat")
@@ -181,6 +189,29 @@ def test_the_default_hook_sums_through_shared_memory_on_one_host(default_runs):
             np.testing.assert_array_equal(value, leaves[key], key)
             np.testing.assert_allclose(value, flat[key], rtol=1e-6, atol=1e-8, err_msg=key)
             np.testing.assert_array_equal(value, _params(default_runs["none"][0], "default")[key])
+        # A later program's larger bucket is agreed on again, and summed there too.
+        assert rank["big:shm_calls"] == rank["big:buckets"] == 1
+        big, xla = _params(rank, "big"), _params(rank, "big-allreduce")
+        for key, value in big.items():
+            np.testing.assert_allclose(value, xla[key], rtol=1e-6, atol=1e-8, err_msg=key)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_later_bucket_that_some_process_cannot_hold_goes_through_xla(default_runs):
+    """Room for 10,432 bytes: the first program's tiny buckets are summed in shared
+    memory; the later program's 11,260-byte bucket goes through XLA's all-reduce on
+    every process (agreed, not one rank failing), with a warning that names the size."""
+    for rank in default_runs["small"]:
+        assert rank["default:shm_calls"] == rank["default:buckets"] > 1
+        assert rank["big:shm_calls"] == 0 and rank["big:all_reduces"] == 2
+        assert (
+            "buckets of 11,260 bytes and more go through XLA's all-reduce, not shared memory "
+            "(rank 0: a bucket of 11,260 bytes is over FDP_SHM_CAPACITY_MB; rank 1:"
+        ) in str(rank["log"])
+        big, xla = _params(rank, "big"), _params(rank, "big-allreduce")
+        for key, value in big.items():
+            np.testing.assert_array_equal(value, xla[key], key)
 
 
 @pytest.mark.multiprocess
@@ -196,13 +227,15 @@ def test_one_process_that_cannot_or_will_not_keeps_xla_everywhere(default_runs, 
     """When one process opts out or has no compiler, every process keeps XLA's all-reduce
     (no hang, no mixed program), and each one's log names the rank and the reason."""
     for rank in default_runs[rank1]:
-        assert rank["shm_calls"] == 0 and rank["all_reduces"] == rank["buckets"] + 1
+        assert rank["default:shm_calls"] == 0 and rank["big:shm_calls"] == 0
+        assert rank["default:all_reduces"] == rank["default:buckets"] + 1
         assert f"gradients go through XLA's all-reduce, not shared memory ({why}" in str(
             rank["log"]
         )
-        got, flat = _params(rank, "default"), _params(rank, "allreduce-flat")
-        for key, value in got.items():
-            np.testing.assert_allclose(value, flat[key], rtol=1e-6, atol=1e-8, err_msg=key)
+        for name, xla in (("default", "allreduce-flat"), ("big", "big-allreduce")):
+            got, want = _params(rank, name), _params(rank, xla)
+            for key, value in got.items():
+                np.testing.assert_array_equal(value, want[key], f"{name} {key}")
 
 
 def test_the_switch_names_itself_when_it_is_neither_on_nor_off(monkeypatch):

@@ -4,10 +4,11 @@
 
 Under `fdp launch`, one CPU device per process: 3 SGD steps of a small MLP with tiny
 buckets, first with no comm_hook (fdp's default: summed through shared memory where the
-processes agree they can), then with comm_hook='allreduce' in both layouts. Before the
-first step rank 1 may set FDP_SHM_ALLREDUCE=0 (`off`) or lose its C++ compiler and the
-cached build (`no-compiler`). Each rank writes its parameters, the shared-memory calls
-and all-reduces of the default step's program, and what fdp logged, to DIR/rank{R}.npz.
+processes agree they can), then with comm_hook='allreduce' in both layouts; then both
+again with one bucket of the whole model. Before the first step rank 1 may set
+FDP_SHM_ALLREDUCE=0 (`off`) or lose its C++ compiler and the cached build
+(`no-compiler`). Each rank writes its parameters, the shared-memory calls and
+all-reduces of the default steps' programs, and what fdp logged, to DIR/rank{R}.npz.
 """
 
 import argparse
@@ -60,20 +61,24 @@ params = model.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["para
 data = make_data(10 + rank, 3 * 8)
 batches = [fdp.shard_batch({k: v[i * 8 : (i + 1) * 8] for k, v in data.items()}) for i in range(3)]
 results = {}
-for name, hook, layout in (
-    ("default", None, "auto"),
-    ("allreduce-flat", "allreduce", "flat"),
-    ("allreduce-leaves", "allreduce", "leaves"),
+for name, hook, layout, cap in (
+    ("default", None, "auto", 0.004),
+    ("allreduce-flat", "allreduce", "flat", 0.004),
+    ("allreduce-leaves", "allreduce", "leaves", 0.004),
+    # A later program whose one bucket (the whole model, 11.6 kB) is larger than any
+    # the first program reserved room for: the processes agree again.
+    ("big", None, "auto", 1.0),
+    ("big-allreduce", "allreduce", "flat", 1.0),
 ):
     state, step = train_tiny_buckets(
-        model, params, optax.sgd(0.1), batches, hook=hook, layout=layout
+        model, params, optax.sgd(0.1), batches, hook=hook, layout=layout, cap_mb=cap
     )
     if hook is None:
         hlo = step.lower(state, batches[0]).compile().as_text()
-        results["shm_calls"] = np.array(hlo.count('custom_call_target="fdp_shm_sum"'))
-        results["all_reduces"] = np.array(hlo.count(" all-reduce("))
-        results["buckets"] = np.array(len(step.plan.buckets))
-        results["hook"] = np.array(step.config.comm_hook.name)
+        results[f"{name}:shm_calls"] = np.array(hlo.count('custom_call_target="fdp_shm_sum"'))
+        results[f"{name}:all_reduces"] = np.array(hlo.count(" all-reduce("))
+        results[f"{name}:buckets"] = np.array(len(step.plan.buckets))
+        results[f"{name}:hook"] = np.array(step.config.comm_hook.name)
     for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
         results[f"{name}/{jax.tree_util.keystr(path)}"] = np.asarray(
             leaf.addressable_shards[0].data
