@@ -346,7 +346,7 @@ def group(nbytes: int, timeout: float) -> dict[str, Any]:
                 "all-reduce for the default hook (the log says why), and the processes "
                 "set up shared memory once. Choose the hook in every step, or none."
             )
-        mine = _install(timeout, want=max(nbytes, _largest.get()))
+        mine = _install(timeout)
         assert mine is not None  # not optional: every obstacle was an error
         _state["group"] = mine
     capacity = mine["capacity"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -345,8 +346,14 @@ class StepConfig:
             self.mesh is not None
             and self.layout != "auto"
             and self.fold_dots is not None
-            and not self._sums_in_shared_memory(self.mesh)
+            and not self._swap_pending
         )
+
+    @functools.cached_property
+    def _swap_pending(self) -> bool:
+        # Read on every call of a step (through ``bound``): decided once per config.
+        assert self.mesh is not None
+        return self._sums_in_shared_memory(self.mesh)
 
     def _need_bound(self, what: str) -> Mesh:
         if self.mesh is None or not self.bound:
