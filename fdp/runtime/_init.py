@@ -45,7 +45,7 @@ def init(
     fail_fast: bool = True,
     tune_malloc: bool | None = None,
 ) -> None:
-    """Joins this process to the run, or does nothing when it runs alone.
+    """Joins this process to the run's other processes, if any, and tunes host malloc.
 
     The settings come from the arguments, else fdp's variables
     (``FDP_COORDINATOR_ADDRESS``, ``FDP_NUM_PROCESSES``, ``FDP_PROCESS_ID``,
@@ -54,7 +54,8 @@ def init(
     ``LOCAL_WORLD_SIZE``, which ``fdp launch`` sets), else a cluster JAX
     detects (Slurm, Open MPI, Kubernetes). With several processes it turns on
     gloo for CPU collectives and calls ``jax.distributed.initialize``. With
-    one process and none of these variables it does nothing.
+    one process and none of these variables it joins nothing; in every case it
+    sets up the host allocator (``tune_malloc``) unless told not to.
 
     Call it first, before anything starts JAX's backend (``jax.devices()``, a
     computation, ``fdp.data_mesh()``); configure JAX (``jax_num_cpu_devices``)
@@ -83,15 +84,15 @@ def init(
         up to ``shutdown_timeout`` in JAX's shutdown barrier for peers that are
         still running; the peers then stop too (``fdp launch`` stops them at
         once, JAX within ``heartbeat_timeout``).
-      tune_malloc: with several processes, make glibc keep freed host memory
-        for reuse (``mallopt``: no ``mmap`` for large blocks, no heap trimming
-        below 1 GiB, one arena), so that XLA:CPU's per-step buffers stop
-        faulting their pages in again every step; on CPU processes this makes
-        the gloo all-reduce markedly faster, at the cost of keeping the peak
+      tune_malloc: make glibc keep freed host memory for reuse (``mallopt``:
+        no ``mmap`` for large blocks, no heap trimming below 1 GiB, one arena),
+        so that XLA:CPU's per-step buffers stop faulting their pages in again
+        every step; on CPU this makes steps faster (the gloo all-reduce
+        markedly, one process's compute too), at the cost of keeping the peak
         host working set resident. ``None`` reads ``FDP_MALLOC_TUNING``: ``0``
-        turns it off, ``1`` asks for it in one process too; unset, it is on
-        with several processes. Does nothing, with a debug log, where the C
-        library is not glibc.
+        turns it off, ``1`` or unset leaves it on, in one process as with
+        several. Does nothing, with a debug log, where the C library is not
+        glibc.
 
     Raises:
       ValueError: variables or arguments are malformed, contradictory or
@@ -105,7 +106,7 @@ def init(
 
     Example:
       >>> import fdp
-      >>> fdp.init()  # one process, no variables: nothing to do
+      >>> fdp.init()  # one process, no variables: no peers to join
       >>> fdp.process_index(), fdp.process_count(), fdp.local_rank()
       (0, 1, 0)
     """
@@ -133,8 +134,7 @@ def init(
             "once, at the start of the program."
         )
     _LOCAL.update(local_rank=settings.local_rank, local_world_size=settings.local_world_size)
-    tune = _memory.wanted(tune_malloc, os.environ)
-    if tune or (tune is None and settings.multi_process):
+    if _memory.wanted(tune_malloc, os.environ) is not False:
         _memory.tune_malloc()
     if not settings.multi_process:
         return

@@ -109,7 +109,7 @@ def test_contradictory_or_malformed_variables_are_named(env, message):
         settings(env)
 
 
-def test_init_alone_is_a_no_op(monkeypatch):
+def test_init_alone_joins_no_peers(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     fdp.init()

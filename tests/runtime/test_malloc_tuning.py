@@ -12,10 +12,10 @@ TWO = ["--nproc-per-node", "2"]
 @pytest.mark.parametrize(
     ("argument", "env", "expected"),
     [
-        (None, None, None),  # nothing said: on with several processes
+        (None, None, None),  # nothing said: fdp.init tunes
         (None, "0", False),
         (None, "off", False),
-        (None, "1", True),  # asked for: on in one process too
+        (None, "1", True),
         (True, "0", True),  # the argument wins
         (False, None, False),
     ],
@@ -31,10 +31,12 @@ def test_a_malformed_variable_is_named():
 
 
 @pytest.mark.parametrize(
-    ("argument", "env", "calls"), [(None, None, 0), (True, None, 1), (None, "1", 1)]
+    ("argument", "env", "calls"),
+    [(None, None, 1), (True, None, 1), (None, "1", 1), (False, None, 0), (None, "0", 0)],
 )
-def test_one_process_tunes_only_when_asked(monkeypatch, argument, env, calls):
-    """fdp.init with one process does nothing, malloc included, unless asked to tune."""
+def test_one_process_tunes_unless_told_not_to(monkeypatch, argument, env, calls):
+    """fdp.init with one process tunes malloc too: one CPU process faults its buffers in
+    every step as several do (docs/multihost.md)."""
     import fdp
 
     made = []
@@ -45,6 +47,24 @@ def test_one_process_tunes_only_when_asked(monkeypatch, argument, env, calls):
         monkeypatch.setenv(_memory.ENV_VAR, env)
     fdp.init(tune_malloc=argument)
     assert len(made) == calls
+
+
+@pytest.mark.parametrize(("env", "expected"), [(None, "M_MMAP_MAX"), ("0", "{}")])
+def test_one_real_process_applies_the_settings(env, expected):
+    """In a fresh interpreter (glibc's real mallopt), alone, unless FDP_MALLOC_TUNING=0."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FDP_")}
+    if env is not None:
+        environ[_memory.ENV_VAR] = env
+    code = "import fdp; fdp.init(); from fdp.runtime import _memory; print(_memory.applied)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert expected in out.stdout.splitlines()[-1]
 
 
 def load(path):
