@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    fdp.init()  # joins the other processes under `fdp launch`; alone, does nothing
+    fdp.init()  # joins the other processes under `fdp launch`; alone, joins none
     lead = fdp.process_index() == 0  # process 0 reports
     devices = jax.devices()  # every process's devices
     mesh = fdp.data_mesh(devices)
