@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from fdp._validate import check_int
 from fdp.collectives._axis import AxisName
+from fdp.data._abstract import is_abstract, placed_like
 from fdp.data._rows import leading_size
 from fdp.runtime._consistency import check_consistent
 from fdp.runtime._host import all_gather_object
@@ -181,6 +182,8 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     Returns:
       The same pytree, each leaf a ``jax.Array`` replicated over ``mesh``. The
       leaves are copies, so donating them to a step leaves ``tree`` intact.
+      A ``tree`` of ``jax.ShapeDtypeStruct`` comes back as structs with the
+      replicated sharding (for lowering a step without running anything).
 
     Raises:
       ValueError: with several processes, ``tree`` differs across them in a
@@ -194,6 +197,8 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     """
     mesh = data_mesh() if mesh is None else mesh
     sharding = NamedSharding(mesh, P())
+    if is_abstract(tree):  # shapes only (a step lowered for another mesh): nothing to copy
+        return placed_like(tree, sharding)
     if jax.process_count() == 1:
         # Leaves may sit anywhere (one device, another mesh, host memory): a jitted
         # copy rejects committed inputs on other devices, device_put moves any.

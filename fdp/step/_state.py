@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan
+from fdp.data._abstract import run_or_describe
 from fdp.data._placement import replicate
 from fdp.step._config import StepConfig
 from fdp.step._zero import is_placed, place
@@ -119,7 +120,9 @@ def init_hook_state(config: StepConfig, buckets: BucketPlan, params: Any, *, sta
       params: the parameters, replicated, or ``stacked`` with a device axis.
       stacked: whether ``params`` has a leading device axis.
     """
-    return _init_hook_state_jit(config, buckets, params, stacked)
+    return run_or_describe(
+        _init_hook_state_jit, config, buckets, params, stacked, out_sharding=_device_axis(config)
+    )
 
 
 def _stack_per_device(config: StepConfig, tree: Any) -> Any:
@@ -138,7 +141,12 @@ _stack_per_device_jit = jax.jit(_stack_per_device, static_argnums=0)
 
 def stack_per_device(config: StepConfig, tree: Any) -> Any:
     """One copy of a replicated pytree per device, stacked on the data axis."""
-    return _stack_per_device_jit(config, tree)
+    return run_or_describe(_stack_per_device_jit, config, tree, out_sharding=_device_axis(config))
+
+
+def _device_axis(config: StepConfig) -> NamedSharding:
+    """Where per-device copies live: stacked along a leading axis over the data axis."""
+    return NamedSharding(config.bound_mesh, P(config.axis_name))
 
 
 def unstacked(tree: Any) -> Any:

@@ -29,15 +29,17 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan
 from fdp.collectives._axis import AxisName
+from fdp.data._abstract import is_abstract, placed_like
 from fdp.data._placement import check_axis
 
 STAGES = (0, 1, 2, 3)
@@ -119,23 +121,62 @@ def gather(leaves: Sequence[jax.Array], dims: Sequence[int | None], axis_name: A
     ]
 
 
+def gather_bucket(
+    shards: Sequence[jax.Array], dims: Sequence[int | None], axis_name: AxisName, n: int
+) -> list[jax.Array]:
+    """Inside ``shard_map``: a bucket's parameters made whole by one all-gather.
+
+    The shards of one dtype are packed into one flat buffer, gathered once
+    (``[n, size]``: device ``d``'s buffer in row ``d``) and unpacked, so the
+    bucket is one collective in the program, as DDP's bucket is one
+    all-reduce; leaves kept whole (no shard dimension) pass through.
+    """
+    split = [i for i, d in enumerate(dims) if d is not None]
+    out = list(shards)
+    if not split:
+        return out
+    if len(split) == 1:  # nothing to pack: gather the leaf itself
+        i = split[0]
+        out[i] = jax.lax.all_gather(shards[i], axis_name, axis=cast(int, dims[i]), tiled=True)
+        return out
+    flat = jnp.concatenate([shards[i].reshape(-1) for i in split])
+    rows = jax.lax.all_gather(flat, axis_name)  # [n, size]
+    offset = 0
+    for i in split:
+        shape, d = shards[i].shape, cast(int, dims[i])
+        piece = rows[:, offset : offset + shards[i].size].reshape(n, *shape)
+        offset += shards[i].size
+        # [n, ..., s_d, ...] -> [..., n * s_d, ...]: device k's shard is block k along d.
+        piece = jnp.moveaxis(piece, 0, d)
+        out[i] = piece.reshape(*shape[:d], n * shape[d], *shape[d + 1 :])
+    return out
+
+
 def gather_params(params: Any, plan: BucketPlan, axis_name: AxisName, n: int) -> Any:
     """Inside ``shard_map``: stage 3's sharded parameters made whole, bucket by bucket.
 
-    Buckets are gathered from the last to the first (the forward pass's order:
-    buckets hold gradients in ready order, the reverse), and leaves in no bucket
-    last, so the compiler can start the forward pass on the first layers while
-    later ones are still in flight.
+    One all-gather per bucket (:func:`gather_bucket`), from the last bucket to
+    the first (the forward pass's order: buckets hold gradients in ready order,
+    the reverse), and leaves in no bucket last, so the compiler can start the
+    forward pass on the first layers while later ones are still in flight.
     """
     leaves, treedef = jax.tree.flatten(params)
     dims = bucket_shard_dims(plan, n)
     out = list(leaves)
-    order = [i for b in reversed(plan.buckets) for i in reversed(b.leaf_indices)]
-    bucketed = set(order)
-    order += [i for i in range(len(leaves)) if i not in bucketed]
-    gathered = gather([leaves[i] for i in order], [dims[i] for i in order], axis_name)
-    for i, whole in zip(order, gathered, strict=True):
-        out[i] = whole
+    groups = [tuple(reversed(b.leaf_indices)) for b in reversed(plan.buckets)]
+    bucketed = {i for g in groups for i in g}
+    names = [f"fdp_bucket_{b.index}" for b in reversed(plan.buckets)]
+    for name, group in zip(names, groups, strict=True):
+        with jax.named_scope(name):
+            whole = gather_bucket(
+                [leaves[i] for i in group], [dims[i] for i in group], axis_name, n
+            )
+        for i, x in zip(group, whole, strict=True):
+            out[i] = x
+    rest = [i for i in range(len(leaves)) if i not in bucketed]
+    whole = gather([leaves[i] for i in rest], [dims[i] for i in rest], axis_name)
+    for i, x in zip(rest, whole, strict=True):
+        out[i] = x
     return jax.tree.unflatten(treedef, out)
 
 
@@ -158,9 +199,12 @@ def place(tree: Any, mesh: Mesh, axis_name: AxisName, *, sharded: bool = True) -
     """``tree`` moved onto its ZeRO shardings (or replicated), outside ``jit``.
 
     A jitted copy, so it works with arrays of several processes and never
-    aliases the caller's buffers (a donating step would delete them).
+    aliases the caller's buffers (a donating step would delete them). An
+    abstract ``tree`` (``jax.ShapeDtypeStruct`` leaves) gets its shardings only.
     """
     target = shardings(tree, mesh, axis_name) if sharded else replicated(tree, mesh)
+    if is_abstract(tree):  # lowered for a mesh it cannot run on: describe, compute nothing
+        return placed_like(tree, target)
     treedef = jax.tree.structure(tree)
     return _place_jit(treedef, tuple(jax.tree.leaves(target)))(tree)
 
