@@ -81,6 +81,10 @@ class Collective:
       shapes: shape of each result, per device.
       nbytes: bytes of all results, per device.
       replica_groups: the replica groups as written in the program.
+      buckets: the indices of fdp's buckets the op carries, read from its
+        metadata (``fdp_bucket_N`` scopes; several when XLA combined buckets
+        into one op); empty for other collectives or where XLA dropped the
+        metadata.
     """
 
     kind: str
@@ -88,11 +92,25 @@ class Collective:
     shapes: tuple[tuple[int, ...], ...]
     nbytes: int
     replica_groups: str
+    buckets: tuple[int, ...] = ()
 
     @property
     def group_size(self) -> int:
-        """Devices in each replica group (1 when the program names none)."""
-        groups = re.findall(r"[\[{]([\d,\s]+)[\]}]", self.replica_groups)
+        """Devices in each replica group (1 when the program names none).
+
+        Reads the three spellings XLA prints: explicit groups ``{{0,1},{2,3}}``,
+        iota groups ``[2,2]<=[4]`` (the last size) and mesh groups
+        ``mesh['x'=2,'y'=4] {'y'}`` (the product of the named axes).
+        """
+        text = self.replica_groups
+        mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+        if mesh:
+            sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh[1]))
+            return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh[2]))
+        iota = re.match(r"\[([\d,]+)\]<=", text)
+        if iota:
+            return int(iota[1].split(",")[-1])
+        groups = re.findall(r"[\[{]([\d,\s]+)[\]}]", text)
         return max((len(g.replace(" ", "").split(",")) for g in groups), default=1)
 
     @property
@@ -153,10 +171,42 @@ class CollectiveStats:
         return dict(out)
 
 
+def _top_level(types: str) -> list[str]:
+    """The elements of an HLO tuple type ``(a, (b, c), d)``; ``[types]`` if not a tuple."""
+    types = re.sub(r"/\*.*?\*/", "", types).strip()
+    if not types.startswith("("):
+        return [types]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(types):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(types[start:i])
+            start = i + 1
+    parts.append(types[start:-1])
+    return [p.strip() for p in parts]
+
+
+def _result_types(op: str, started: bool, types: str) -> str:
+    """The results of a collective, from the type of its op.
+
+    XLA:GPU runs collectives as async pairs. ``all-reduce-start`` yields the
+    results; ``all-gather-start``, ``reduce-scatter-start`` and
+    ``collective-permute-start`` yield ``(operands, results[, context...])``:
+    only the results count, as for the synchronous op.
+    """
+    if not started or op == "all-reduce":
+        return types
+    parts = _top_level(types)
+    return parts[1] if len(parts) >= 2 else types
+
+
 def _hlo_ops(text: str) -> list[Collective]:
     ops = []
     pattern = re.compile(
-        r"=\s*(?P<types>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_HLO_OPS) + r")(?:-start)?\("
+        r"=\s*(?P<types>\(.*?\)|\S+)\s+(?P<op>" + "|".join(_HLO_OPS) + r")(?P<start>-start)?\("
     )
     shm = re.compile(r"=\s*(?P<types>\(.*?\)|\S+)\s+custom-call\(")
     for line in text.splitlines():
@@ -165,20 +215,38 @@ def _hlo_ops(text: str) -> list[Collective]:
             m = shm.search(line)
         if not m:
             continue
+        kind = m.groupdict().get("op") or "shm-sum"
+        types = _result_types(kind, bool(m.groupdict().get("start")), m["types"])
         shapes, dtypes, nbytes = [], [], 0
-        for dt, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", m["types"]):
+        for dt, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", types):
             if dt not in _HLO_BITS:
                 continue
             shape = tuple(int(d) for d in dims.split(",") if d)
             shapes.append(shape)
             dtypes.append(dt)
             nbytes += math.prod(shape) * _HLO_BITS[dt] // 8
-        groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)
-        kind = m.groupdict().get("op") or "shm-sum"
+        groups = re.search(
+            r"replica_groups=(mesh\[[^\]]*\]\s*\{[^}]*\}|\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line
+        )
         ops.append(
-            Collective(kind, tuple(dtypes), tuple(shapes), nbytes, groups[1] if groups else "")
+            Collective(
+                kind,
+                tuple(dtypes),
+                tuple(shapes),
+                nbytes,
+                groups[1] if groups else "",
+                bucket_indices(line),
+            )
         )
     return ops
+
+
+def bucket_indices(line: str) -> tuple[int, ...]:
+    """The fdp bucket indices an op's metadata names (``fdp_bucket_N`` scopes), in order."""
+    meta = re.search(r'op_name="([^"]*)"', line)
+    if meta is None:
+        return ()
+    return tuple(dict.fromkeys(int(i) for i in re.findall(r"fdp_bucket_(\d+)", meta[1])))
 
 
 def _mlir_types(signature: str) -> list[tuple[str, tuple[int, ...]]]:
