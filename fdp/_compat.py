@@ -142,6 +142,24 @@ def keep_all_reduces_apart() -> dict[str, str]:
     return {"xla_disable_hlo_passes": CPU_ALL_REDUCE_COMBINER}
 
 
+GPU_COMBINE_THRESHOLDS = {
+    "all-reduce": "xla_gpu_all_reduce_combine_threshold_bytes",
+    "reduce-scatter": "xla_gpu_reduce_scatter_combine_threshold_bytes",
+    "all-gather": "xla_gpu_all_gather_combine_threshold_bytes",
+}
+"""XLA:GPU's options that cap how many bytes its combiners merge into one collective.
+
+Set to 0 for one compilation, each collective of the program stays on its own.
+An unknown option name is an error when the step compiles, so a rename fails
+loudly (and the GPU compile tier's tests count the collectives).
+"""
+
+
+def keep_gpu_collectives_apart(kinds: tuple[str, ...]) -> dict[str, int]:
+    """XLA:GPU compiler options that keep each collective of ``kinds`` on its own."""
+    return {GPU_COMBINE_THRESHOLDS[k]: 0 for k in kinds}
+
+
 # -- jaxpr equations (parameter-usage analysis) ---------------------------------------------
 
 
@@ -272,3 +290,29 @@ def coordination_client() -> Any | None:
             f"missing {missing or 'the client itself'}; fdp's host collectives and Store use it",
         )
     return client
+
+
+# -- the CUDA plugin, for compiling without a GPU -------------------------------------------
+
+CUDA_PLUGIN_MODULE = "jax_plugins.xla_cuda12"
+
+
+def register_cuda_plugin() -> None:
+    """Registers the CUDA PJRT plugin after JAX's backends have started.
+
+    JAX finds plugins once, when its first backend starts, by importing each
+    ``jax_plugins.*`` module and calling its ``initialize()`` (the plugin
+    protocol). fdp keeps the plugin out of site-packages (it prints errors in
+    every JAX process of a machine without CUDA), so it calls that protocol
+    itself, later, for the compile-only topology.
+
+    Raises:
+      JaxCompatibilityError: the plugin module has no ``initialize``.
+    """
+    import importlib
+
+    module = importlib.import_module(CUDA_PLUGIN_MODULE)
+    initialize = getattr(module, "initialize", None)
+    if not callable(initialize):
+        raise _broken("the CUDA plugin", f"{CUDA_PLUGIN_MODULE} has no initialize()")
+    initialize()

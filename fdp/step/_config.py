@@ -292,7 +292,11 @@ class StepConfig:
         """This config with its mesh and layout resolved (starts JAX's backend).
 
         ``layout='auto'`` becomes ``'flat'`` (DDP's packed buckets, kept apart by
-        XLA:CPU) on CPU with several processes, else ``'leaves'``. Measured on 2
+        the compiler options of :attr:`compiler_options`) on GPUs and on CPU with
+        several processes, else ``'leaves'``. On GPUs (compiled for 8 x H100,
+        deviceless, docs/gpu.md) XLA splits a bucket of leaves into one
+        all-reduce per leaf once its combiner is off, and its combiner regroups
+        them by size otherwise; a flat bucket stays one collective. Measured on 2
         processes x 1 CPU device (gloo, an 8.4M-parameter MLP): one combined
         all-reduce after the backward pass gave 683-718 examples/s; flat buckets
         kept apart, so each all-reduce can start while the backward pass goes on,
@@ -301,9 +305,11 @@ class StepConfig:
         """
         mesh = data_mesh(axis_name=self.axis_name) if self.mesh is None else self.mesh
         layout = self.layout
-        cpu = mesh.devices.flat[0].platform == "cpu"
+        platform = mesh.devices.flat[0].platform
+        cpu = platform == "cpu"
         if layout == "auto":
-            layout = "flat" if cpu and jax.process_count() > 1 else "leaves"
+            gpu = platform in ("gpu", "cuda", "rocm")
+            layout = "flat" if gpu or (cpu and jax.process_count() > 1) else "leaves"
         fold = cpu if self.fold_dots is None else self.fold_dots
         hook = shm_where_possible() if self._sums_in_shared_memory(mesh) else self.comm_hook
         if (
@@ -406,11 +412,26 @@ class StepConfig:
         return self.zero_stage == 1 and reduce_scatter_of(self.comm_hook) is not None
 
     @property
-    def compiler_options(self) -> dict[str, str] | None:
-        """XLA options for the step: on CPU, the flat layout keeps DDP's buckets apart."""
+    def compiler_options(self) -> dict[str, Any] | None:
+        """XLA options for the step: DDP's buckets kept apart where XLA would merge them.
+
+        On CPU, the flat layout turns off the all-reduce combiner (which merges
+        every all-reduce into one). On GPU, every bucket's collective stays its
+        own: XLA:GPU's combiners would otherwise regroup the buckets up to
+        their thresholds (30 MiB by default), ignoring the plan. The gradients'
+        all-reduces and reduce-scatters are kept apart always; all-gathers at
+        stage 3, where fdp gathers the parameters bucket by bucket (at stages
+        1-2 they are XLA's own, one per leaf, and left to its combiner).
+        """
         mesh = self._need_bound("compiler_options")
-        if self.layout == "flat" and mesh.devices.flat[0].platform == "cpu":
-            return _compat.keep_all_reduces_apart()
+        platform = mesh.devices.flat[0].platform
+        if platform == "cpu":
+            return _compat.keep_all_reduces_apart() if self.layout == "flat" else None
+        if platform in ("gpu", "cuda", "rocm"):
+            kinds = ("all-reduce", "reduce-scatter")
+            return _compat.keep_gpu_collectives_apart(
+                (*kinds, "all-gather") if self.zero_stage >= 3 else kinds
+            )
         return None
 
     @property

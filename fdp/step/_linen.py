@@ -321,7 +321,7 @@ def train_step(
       has_aux: ``loss_fn`` returns aux values, averaged over the data axis
         (integer and bool leaves summed) into ``metrics['aux']``.
       donate: donate the input state's buffers (it must not be used after).
-      layout: ``'auto'`` (``'flat'`` on CPU with several processes, else
+      layout: ``'auto'`` (``'flat'`` on GPUs and on CPU with several processes, else
         ``'leaves'``), ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed
         bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
       comm_hook: a :class:`fdp.hooks.CommHook` or a hook name (default: the

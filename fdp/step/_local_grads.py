@@ -2,7 +2,8 @@
 
 This is DDP's ``no_sync``: ``K`` micro-batches are scanned, their gradients summed
 locally (in float32 for 16-bit parameters), and nothing crosses devices until the
-one bucketed reduction that follows.
+one bucketed reduction that follows. The first ``K - 1`` run in a loop and the
+last after it, so the reduction can overlap the last micro-batch's backward pass.
 
 The objective each device differentiates is weighted so that the *mean over
 the N devices* of the local gradients is the gradient the step applies:
@@ -258,11 +259,20 @@ def local_gradients(
     )
     micro_batches = split_micro_batches(batch, k)
     xs = (jnp.arange(k), micro_batches, micro_masks)
+    last = jax.tree.map(lambda x: x[-1], xs)
     if k == 1:
-        state, aux = micro(state0, jax.tree.map(lambda x: x[0], xs))
+        state, aux = micro(state0, last)
         aux = jax.tree.map(lambda x: x[None], aux)
     else:
-        state, aux = jax.lax.scan(micro, state0, xs)
+        # The last micro-batch runs after the loop, not in it: the bucket reductions
+        # that follow then depend on its backward pass alone, and the compiler can
+        # start each while the rest of that backward pass runs, as DDP reduces
+        # during the backward pass of the step after no_sync. Same additions, same
+        # order as a loop over all K.
+        head = jax.tree.map(lambda x: x[:-1], xs)
+        state, aux_head = jax.lax.scan(micro, state0, head)
+        state, aux_last = micro(state, last)
+        aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux_head, aux_last)
     acc, carry, loss_acc, used = state
     grads = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(acc, dtypes, strict=True)])
     micro_rows = jax.tree.leaves(micro_batches)[0].shape[1]

@@ -362,7 +362,7 @@ def nnx_train_step(
       first_bucket_cap_mb: cap of the first bucket (MiB).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       donate: donate the state's buffers to the step.
-      layout: ``'auto'`` (``'flat'`` on CPU with several processes, else
+      layout: ``'auto'`` (``'flat'`` on GPUs and on CPU with several processes, else
         ``'leaves'``), ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed
         bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
       comm_hook: a :class:`fdp.hooks.CommHook` or a hook name. Hooks whose
