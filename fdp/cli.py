@@ -1,4 +1,4 @@
-"""The ``fdp`` command line: ``fdp version``, ``fdp launch``, ``fdp info``, ``fdp describe``."""
+"""The ``fdp`` command line: ``version``, ``launch``, ``info``, ``describe``, ``gpu-compiler``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,20 @@ def _describe(args: argparse.Namespace) -> int:
         print(f"model {args.model!r} ({dtype}), buckets in reduce order")
         print(report)
     return 0
+
+
+def _gpu_compiler(args: argparse.Namespace) -> int:
+    from fdp.observe._gpu import compiler_dir, gpu_compiler_status, install_compiler
+
+    if args.install:
+        try:
+            print(f"installed XLA's GPU compiler in {install_compiler()}")
+        except RuntimeError as e:
+            print(f"fdp gpu-compiler: error: {e}", file=sys.stderr)
+            return 1
+    status = gpu_compiler_status()
+    print(status or f"XLA's GPU compiler loads (folder: {compiler_dir()})")
+    return 0 if status is None else 1
 
 
 DESCRIBE = """\
@@ -119,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(run=_describe, parser=describe)
+    gpu = sub.add_parser(
+        "gpu-compiler",
+        help="say whether XLA's GPU compiler loads here (for compiling without a GPU)",
+        description="XLA's GPU compiler compiles fdp's step for a GPU on a machine without "
+        "one (fdp.observe.gpu_mesh). It is the CUDA plugin of jaxlib's version, kept in a "
+        "folder of its own ($FDP_GPU_COMPILER_DIR, default ~/.cache/fdp/gpu-compiler/...). "
+        "Exit status 0 when it loads.",
+    )
+    gpu.add_argument(
+        "--install", action="store_true", help="install it first (about 480 MB, from PyPI)"
+    )
+    gpu.set_defaults(run=_gpu_compiler, parser=gpu)
     return parser
 
 

@@ -41,3 +41,27 @@ def fdp_debug(monkeypatch):
     _debug._override, _debug._level_set = None, level_set
     logger.handlers[:] = handlers
     logger.setLevel(level)  # (also clears the loggers' cached levels)
+
+
+@pytest.fixture(scope="session")
+def gpu_mesh():
+    """8 compile-only H100s (XLA's GPU compiler, no GPU): the GPU compile tier's mesh.
+
+    The compiler is fdp's copy of the CUDA plugin (`fdp gpu-compiler --install`). When it
+    is missing, the tier installs it once (FDP_GPU_COMPILER_INSTALL=0 says not to) and
+    skips, with the reason, where that fails (no package index, another jaxlib).
+    """
+    import os
+
+    from fdp.observe import _gpu
+
+    status = _gpu.gpu_compiler_status()
+    if status is not None and os.environ.get("FDP_GPU_COMPILER_INSTALL", "1") != "0":
+        try:
+            _gpu.install_compiler()
+        except RuntimeError as e:
+            pytest.skip(f"{status}; installing it failed: {e}")
+        status = _gpu.gpu_compiler_status()
+    if status is not None:
+        pytest.skip(status)
+    return _gpu.gpu_mesh("h100_sxm", 8)

@@ -1,0 +1,112 @@
+"""The GPU compile tier: fdp's step compiled by XLA's GPU compiler for 8 x H100, no GPU.
+
+What the tier pins, read from the compiled, scheduled GPU program: every ZeRO stage
+lowers from shapes alone (nothing runs); each bucket of the plan is exactly one
+collective of the step's reduction (an all-reduce, or a reduce-scatter under ZeRO)
+named by its bucket, for the default and bf16 hooks, with and without accumulation;
+stage 3 gathers each bucket's parameters in one all-gather; accumulation keeps every
+collective out of the micro-batch loop and overlaps the reductions with the last
+micro-batch's backward products.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fdp
+from fdp.observe import _gpu
+from fdp.observe._hlo import collective_stats, loop_collectives
+from fdp.observe._schedule import read_schedule
+
+pytestmark = pytest.mark.gpu_compile
+
+CAPS = {"bucket_cap_mb": 0.25, "first_bucket_cap_mb": 0.25}  # 5 buckets for the MLP below
+REDUCTION = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter", 3: "reduce-scatter"}
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = nn.relu(nn.Dense(256)(x))
+        return nn.Dense(16)(x)
+
+
+def loss_fn(params, batch):
+    logits = MLP().apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def abstract_inputs(mesh, rows=64):
+    def make():
+        params = MLP().init(jax.random.key(0), jnp.zeros((1, 256)))["params"]
+        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+    state = fdp.replicate(jax.eval_shape(make), mesh)  # shapes only: nothing is placed
+    data = NamedSharding(mesh, P("data"))
+    batch = {
+        "x": jax.ShapeDtypeStruct((rows, 256), jnp.float32, sharding=data),
+        "y": jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=data),
+    }
+    return state, batch
+
+
+def compile_step(mesh, **settings):
+    step = fdp.train_step(loss_fn, mesh=mesh, **CAPS, **settings)
+    compiled = step.lower(*abstract_inputs(mesh)).compile()
+    return step, compiled
+
+
+@pytest.mark.parametrize("accumulate_steps", [1, 4])
+@pytest.mark.parametrize("comm_hook", [None, "bf16_compress"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_each_bucket_is_one_collective_of_the_gpu_program(
+    gpu_mesh, zero_stage, comm_hook, accumulate_steps
+):
+    step, compiled = compile_step(
+        gpu_mesh, zero_stage=zero_stage, comm_hook=comm_hook, accumulate_steps=accumulate_steps
+    )
+    plan = step.plan
+    assert step.config.bound_layout == "flat"  # the GPU default
+    assert len(plan.buckets) == 5
+    ops = collective_stats(compiled).ops
+    kind = REDUCTION[zero_stage]
+    reductions = [op.buckets for op in ops if op.kind == kind and op.buckets]
+    # One collective per bucket, each naming its bucket alone: none merged, none split.
+    assert sorted(reductions) == [(b.index,) for b in plan.buckets]
+    if zero_stage == 3:  # the parameters are gathered one bucket at a time
+        gathers = [op.buckets for op in ops if op.kind == "all-gather" and op.buckets]
+        assert sorted(gathers) == [(b.index,) for b in plan.buckets]
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes > 0
+
+
+def test_accumulation_overlaps_the_last_micro_batch_and_loops_without_collectives(gpu_mesh):
+    _, compiled = compile_step(gpu_mesh, accumulate_steps=4)
+    assert loop_collectives(compiled).ops == ()  # no_sync: nothing crosses devices in the loop
+    schedule = read_schedule(compiled, "h100_sxm")
+    reductions = [c for c in schedule.collectives if c.kind == "all-reduce" and c.buckets]
+    assert len(reductions) == 5
+    # Backward products of the last micro-batch run while some bucket is in flight.
+    assert any(c.flops_in_flight > 0 for c in reductions)
+
+
+def test_stage_3_keeps_parameters_sharded_between_steps(gpu_mesh):
+    step, compiled = compile_step(gpu_mesh, zero_stage=3)
+    shardings = jax.tree.leaves(compiled.output_shardings[0].params)
+    kernels = [s for s in shardings if s.spec != P()]
+    assert kernels, "stage 3 returns some parameter sharded over the data axis"
+    assert step.memory_table() is not None
+
+
+def test_targets_and_meshes_are_checked():
+    with pytest.raises(ValueError, match="target must be one of"):
+        _gpu.gpu_target("h200_nvl")
+    with pytest.raises(ValueError, match="shape must have one size per axis"):
+        _gpu.gpu_mesh("h100_sxm", 8, axis_name=("host", "device"), shape=(2, 3))
+    assert _gpu.compiler_packages()[0].startswith("jax-cuda12-plugin==")
+    assert "A100" in _gpu.gpu_target("a100_sxm_80").config_text()
