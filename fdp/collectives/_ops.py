@@ -4,6 +4,9 @@ Each function runs inside ``jax.shard_map`` (or ``jax.pmap``) and names its mesh
 axis with ``axis_name``. They are the functional forms of torch.distributed's
 collectives: a rooted op returns on every device what that device would hold
 afterwards, instead of writing into a buffer in place.
+
+Typed PRNG keys (``jax.random.key``) move as their raw data: XLA's reductions
+take no key dtype, and JAX 0.10 cannot lower an ``all_gather`` of keys.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fdp._extended import from_raw, impl_of, to_raw
 from fdp.collectives._all_reduce import ReduceOp, all_reduce, as_reduce_op, check_dtype
 from fdp.collectives._axis import AxisName, axis_size, check_rank
 
@@ -24,13 +28,15 @@ def _is_rank(rank: Any, axis_name: AxisName) -> jax.Array:
 
 def _masked_sum(x: jax.Array, keep: jax.Array, axis_name: AxisName, **kw: Any) -> jax.Array:
     # Adding zeros is exact, so summing the one kept value moves it bit for bit.
-    # psum does not take bools; move them as uint8.
+    # psum does not take bools; move them as uint8, and typed keys as their raw data.
+    impl = impl_of(x)
+    x = to_raw(x)
     dtype = x.dtype
     if dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     masked = jnp.where(keep, x, jnp.zeros_like(x))
     out = jax.lax.psum_scatter(masked, axis_name, **kw) if kw else jax.lax.psum(masked, axis_name)
-    return out.astype(dtype)
+    return from_raw(out.astype(dtype), impl)
 
 
 def broadcast(x: Any, src: int = 0, *, axis_name: AxisName = "data") -> Any:
@@ -73,7 +79,15 @@ def all_gather(x: Any, *, axis_name: AxisName = "data", axis: int = 0, tiled: bo
       size, in rank order.
     """
     axis_size(axis_name)
-    return jax.tree.map(lambda leaf: jax.lax.all_gather(leaf, axis_name, axis=axis, tiled=tiled), x)
+
+    def leaf_fn(leaf: jax.Array) -> jax.Array:
+        impl = impl_of(leaf)
+        # A key's raw data has one more (trailing) dimension: count a negative axis
+        # from the key's own last dimension.
+        at = axis + jnp.ndim(leaf) + (0 if tiled else 1) if axis < 0 and impl else axis
+        return from_raw(jax.lax.all_gather(to_raw(leaf), axis_name, axis=at, tiled=tiled), impl)
+
+    return jax.tree.map(leaf_fn, x)
 
 
 def reduce_scatter(
@@ -192,7 +206,12 @@ def gather(x: Any, dst: int = 0, *, axis_name: AxisName = "data") -> Any:
     dst = check_rank(dst, axis_name, "dst")
     keep = _is_rank(dst, axis_name)
     stacked = all_gather(x, axis_name=axis_name)
-    return jax.tree.map(lambda s: jnp.where(keep, s, jnp.zeros_like(s)), stacked)
+
+    def leaf_fn(s: jax.Array) -> jax.Array:
+        raw = to_raw(s)
+        return from_raw(jnp.where(keep, raw, jnp.zeros_like(raw)), impl_of(s))
+
+    return jax.tree.map(leaf_fn, stacked)
 
 
 def scatter(x: Any, src: int = 0, *, axis_name: AxisName = "data") -> Any:

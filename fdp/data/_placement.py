@@ -12,6 +12,7 @@ from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fdp._extended import from_raw, impl_of, to_numpy
 from fdp._validate import check_int
 from fdp.collectives._axis import AxisName
 from fdp.data._abstract import is_abstract, placed_like
@@ -154,8 +155,19 @@ def _copy_to(sharding: NamedSharding) -> Any:
     return jax.jit(lambda tree: tree, out_shardings=sharding)
 
 
-def _as_numpy(x: Any) -> np.ndarray:
-    return np.asarray(x)
+@functools.lru_cache(maxsize=32)
+def _wrap_to(sharding: NamedSharding, impl: Any) -> Any:
+    return jax.jit(lambda raw: from_raw(raw, impl), out_shardings=sharding)
+
+
+def _from_host(x: np.ndarray, impl: Any, sharding: NamedSharding, make: Any) -> Any:
+    """A global array made by ``make(sharding, x)``; typed keys (``impl``) wrapped again.
+
+    Keys travel between processes as their raw data (numpy has no key dtype),
+    which has one more (trailing) dimension, so ``sharding``'s spec fits it too.
+    """
+    raw = make(sharding, x)
+    return raw if impl is None else _wrap_to(sharding, impl)(raw)
 
 
 def _onto(x: Any, sharding: NamedSharding) -> Any:
@@ -173,6 +185,8 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
     initialised its own. Before that, the leaves' key paths, shapes and dtypes
     are compared across processes (:func:`fdp.check_consistent`), so a
     mismatch is an error that names the leaf instead of a hang.
+    Typed PRNG keys (``jax.random.key``, ``nnx.Rngs``) cross processes as
+    their raw data and stay keys of the same implementation.
 
     Args:
       tree: parameters, optimizer state, a ``TrainState``: any pytree of arrays
@@ -208,10 +222,15 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
         # may_alias=False in jax 0.10.2); a jitted copy never does.
         return _copy_to(sharding)(tree)
     check_consistent(tree, what="state passed to fdp.replicate")
-    tree = multihost_utils.broadcast_one_to_all(jax.tree.map(_as_numpy, tree))
-    return jax.tree.map(
-        lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree
-    )
+    leaves, treedef = jax.tree.flatten(tree)
+    impls = [impl_of(x) for x in leaves]
+    host = multihost_utils.broadcast_one_to_all([to_numpy(x) for x in leaves])
+
+    def make(sharding: NamedSharding, x: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    placed = [_from_host(x, i, sharding, make) for x, i in zip(host, impls, strict=True)]
+    return jax.tree.unflatten(treedef, placed)
 
 
 def _local_data_size(mesh: Mesh, axis_name: AxisName) -> int:
@@ -290,6 +309,5 @@ def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: AxisName = D
         return jax.device_put(batch, sharding)
     if size is not None:
         _check_rows_agree(size, mesh, axis_name)
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(sharding, _as_numpy(x)), batch
-    )
+    make = jax.make_array_from_process_local_data
+    return jax.tree.map(lambda x: _from_host(to_numpy(x), impl_of(x), sharding, make), batch)

@@ -9,6 +9,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fdp._extended import is_extended, to_raw
+
 # Top-level keys of ``nnx.state(optimizer)`` in flax 0.12 (plus fdp's comm hook state).
 _OPTIMIZER_KEYS = frozenset({"opt_state", "step", "fdp_comm_state"})
 _SHOWN = 8  # differences listed in an error
@@ -84,8 +86,8 @@ def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     """The shape and dtype the leaf has on disk (a PRNG key is stored as its key data)."""
     if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
         return None
-    if jax.numpy.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        data = jax.eval_shape(jax.random.key_data, leaf)
+    if is_extended(leaf):
+        data = jax.eval_shape(to_raw, leaf)
         return tuple(data.shape), np.dtype(data.dtype)
     return tuple(leaf.shape), np.dtype(leaf.dtype)
 

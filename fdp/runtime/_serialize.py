@@ -20,12 +20,18 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from fdp._extended import from_raw, is_extended, key_impl, to_numpy
+
 # MessagePack extension codes for the types msgpack has no native form for.
 _TUPLE = 1
 _NDARRAY = 2
 _NPSCALAR = 3
+_KEY = 4  # a typed PRNG key array: its implementation's name and raw data
 
-SUPPORTED = "None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays and numpy scalars"
+SUPPORTED = (
+    "None, bool, int, float, str, bytes, list, tuple, dict, numpy arrays, numpy scalars "
+    "and typed PRNG key arrays"
+)
 
 MAX_DEPTH = 64
 """Containers (list, tuple, dict) a value may nest, counting the outermost."""
@@ -66,6 +72,15 @@ def _encode(obj: Any) -> Any:
             return base(obj)  # pyright: ignore[reportCallIssue, reportArgumentType]
     if isinstance(obj, np.generic):
         return msgpack.ExtType(_NPSCALAR, _pack([obj.dtype.str, obj.tobytes()]))
+    if is_extended(obj):
+        impl = key_impl(obj)
+        if not isinstance(impl, str):
+            raise TypeError(
+                f"cannot send a PRNG key of the custom implementation {impl!r}: a peer "
+                "rebuilds keys from the name of one of JAX's built-in implementations. "
+                "Send jax.random.key_data(key) instead."
+            )
+        return msgpack.ExtType(_KEY, _pack([impl, to_numpy(obj)]))
     if isinstance(obj, np.ndarray) or (hasattr(obj, "__array__") and hasattr(obj, "dtype")):
         arr = np.asarray(obj)
         if arr.dtype.hasobject:
@@ -119,6 +134,14 @@ def _decode(code: int, data: bytes, depth: int) -> Any:
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise SerializationError(f"an array's shape must be sizes >= 0, got {shape!r:.80}.")
         return np.frombuffer(raw, dtype=_dtype(dtype)).reshape(shape).copy()
+    if code == _KEY:
+        impl, raw = _fields(data, depth, 2, "PRNG key array")
+        if not (isinstance(impl, str) and isinstance(raw, np.ndarray)):
+            raise SerializationError(
+                f"a PRNG key array must be encoded as 2 fields, a name and an array; got "
+                f"{impl!r:.80}."
+            )
+        return from_raw(raw, impl)  # a name JAX does not know raises ValueError
     raise SerializationError(f"received a value with unknown extension code {code}.")
 
 
@@ -136,7 +159,9 @@ def dumps(obj: Any) -> bytes:
 
     ``obj`` may nest None, bool, int, float, str, bytes, list, tuple, dict,
     numpy arrays and numpy scalars, up to :data:`MAX_DEPTH` containers deep;
-    ``jax.Array`` s travel as numpy arrays.
+    ``jax.Array`` s travel as numpy arrays, and typed PRNG key arrays
+    (``jax.random.key``) as their raw data and implementation's name, decoded
+    into key arrays again.
 
     Raises:
       TypeError: ``obj`` holds a value of another type.

@@ -189,3 +189,29 @@ def test_barrier(mesh):
 def test_bad_input_is_a_clear_error(mesh, fn, x, error, match):
     with pytest.raises(error, match=match):
         per_device(mesh, fn, x)
+
+
+def test_rooted_and_gathering_collectives_move_typed_keys(mesh):
+    """Keys move as their raw data (psum takes no key dtype; JAX cannot lower their
+    all_gather) and come back as keys of the same implementation, bit for bit."""
+    keys = jax.random.split(jax.random.key(0, impl="rbg"), N)
+    data = np.asarray(jax.random.key_data(keys))  # (N, 4) uint32
+    stacked = np.stack([data] * N)  # every device holds all N keys (for scatter)
+
+    def body(k, all_k):
+        out = {
+            "broadcast": C.broadcast(k, 3),
+            "all_gather": C.all_gather(k, axis=-1),
+            "gather": C.gather(k, 0),
+            "scatter": C.scatter(all_k, 5),
+        }
+        assert all(jax.random.key_impl(v) == "rbg" for v in out.values())
+        return jax.tree.map(jax.random.key_data, out)
+
+    wrap = functools.partial(jax.random.wrap_key_data, impl="rbg")
+    out = per_device(mesh, lambda k, a: body(wrap(k), wrap(a)), data, stacked)
+    np.testing.assert_array_equal(out["broadcast"], np.stack([data[3]] * N))
+    np.testing.assert_array_equal(out["all_gather"], np.stack([data] * N))
+    np.testing.assert_array_equal(out["gather"][0], data)
+    assert not out["gather"][1:].any()
+    np.testing.assert_array_equal(out["scatter"], data)

@@ -86,3 +86,17 @@ def test_replicate_accepts_leaves_placed_anywhere(where):
     assert out["k"].sharding.is_fully_replicated
     if isinstance(placed, jax.Array):
         assert not placed.is_deleted()  # a copy: donating `out` leaves the input intact
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_keys_keep_their_dtype_impl_and_bits(impl):
+    """Typed PRNG keys (jax.random.key, nnx.Rngs) are placed as keys, not as raw data."""
+    keys = jax.random.split(jax.random.key(0, impl=impl), 16)
+    state = {"key": keys[0], "legacy": jax.random.PRNGKey(1), "w": jnp.ones(2)}
+    out, batch = fdp.replicate(state), fdp.shard_batch({"keys": keys})
+    for got, want in ((out["key"], keys[0]), (batch["keys"], keys)):
+        assert got.dtype == want.dtype and jax.random.key_impl(got) == impl
+        np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
+    assert out["key"].sharding.is_fully_replicated
+    assert batch["keys"].addressable_shards[0].data.shape == (2,)
+    assert out["legacy"].dtype == jnp.uint32

@@ -139,3 +139,30 @@ def test_a_leaf_whose_shape_differs_on_one_process_is_named_before_training(tmp_
         "(32, 8) float32 on process(es) [1]"
     ) in summary
     assert "done: step" not in out.stdout  # no step ran
+
+
+@pytest.mark.slow
+def test_typed_prng_keys_train_over_two_processes_like_one_process(tmp_path, marker):
+    """nnx.Rngs (nnx.Dropout, with nnx.BatchNorm) and a Linen TrainState holding a
+    jax.random.key: replicated, DETAIL-checked, stepped and checkpointed by 2 processes
+    x 2 devices. Dropout keys are folded with the device index, so the run ends where
+    one process with 4 devices does (tests/workers/prng_train.py)."""
+    two = launch(
+        TWO_BY_TWO,
+        "prng_train.py",
+        ["--out", tmp_path / "two.npz", "--ckpt-dir", tmp_path / "ck"],
+        marker,
+        FDP_DEBUG="DETAIL",
+    )
+    assert two.returncode == 0, two.output
+    one = run(
+        ["tests/workers/prng_train.py", "--out", tmp_path / "one.npz", "--devices", "4"], marker
+    )
+    assert one.returncode == 0, one.output
+    two, one = load(tmp_path / "two.npz"), load(tmp_path / "one.npz")
+    assert two.keys() == one.keys() and int(two["step"]) == 3
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # Process 1 seeded its own keys: replicate handed it process 0's, bits and all.
+    np.testing.assert_array_equal(two["key"], [0, 200])  # jax.random.key(200)'s data
+    assert int(two["nnx['drop']['rngs']['count'].value"]) == 3  # one dropout draw a step

@@ -8,6 +8,7 @@ import functools
 import subprocess
 import sys
 
+import jax
 import msgpack
 import numpy as np
 import pytest
@@ -43,6 +44,8 @@ values = st.recursive(
     ),
     max_leaves=20,
 )
+# Raw data of one threefry key, encoded as a numpy array (extension 2).
+KEY_DATA = msgpack.ExtType(2, msgpack.packb(["<u4", [2], b"\0" * 8]))
 SUPPORTED = (type(None), bool, int, float, str, bytes, list, tuple, dict, np.ndarray, np.generic)
 
 
@@ -62,7 +65,9 @@ def only_supported_types(value):
     stack = [value]
     while stack:
         v = stack.pop()
-        assert isinstance(v, SUPPORTED), type(v)
+        # A typed PRNG key array is the one value decoded into a jax.Array.
+        is_key = isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+        assert is_key or isinstance(v, SUPPORTED), type(v)
         if isinstance(v, dict):
             stack += [*v.keys(), *v.values()]
         elif isinstance(v, list | tuple):
@@ -121,6 +126,9 @@ def test_corrupted_encodings_decode_or_raise_fdp_error(value, data):
         msgpack.packb(msgpack.ExtType(1, b"\xc1")),  # tuple of garbage
         msgpack.packb(msgpack.ExtType(1, msgpack.packb(5))),  # tuple of an int
         msgpack.packb(msgpack.ExtType(9, b"")),  # unknown extension
+        msgpack.packb(msgpack.ExtType(4, msgpack.packb([7, b""]))),  # key without a name
+        msgpack.packb(msgpack.ExtType(4, msgpack.packb(["bogus", KEY_DATA]))),  # unknown impl
+        msgpack.packb(msgpack.ExtType(4, msgpack.packb(["rbg", KEY_DATA]))),  # rbg has 4 words
         msgpack.packb({msgpack.ExtType(2, msgpack.packb(["<i1", [1], b"\0"])): 1}),  # array key
         b"\xdd\xff\xff\xff\xff",  # an array header claiming 4 billion items
         b"\xa3\xff\xfe\xfd",  # a string that is not UTF-8
@@ -135,6 +143,15 @@ def test_adversarial_payloads_raise_fdp_error(payload):
     reasons = "nests|not a value|dtype|shape|extension|fields|tuple"
     with pytest.raises(SerializationError, match=reasons):
         loads(payload)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_keys_round_trip_as_keys(impl):
+    keys = jax.random.split(jax.random.key(3, impl=impl), 4)
+    back = loads(dumps({"keys": keys, "one": keys[0]}))
+    for got, want in ((back["keys"], keys), (back["one"], keys[0])):
+        assert got.dtype == want.dtype and jax.random.key_impl(got) == impl
+        np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
 
 
 def test_depth_and_size_are_bounded_on_both_sides():
