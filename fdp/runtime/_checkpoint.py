@@ -62,10 +62,12 @@ class CheckpointManager:
     future). Orbax writes each checkpoint to a temporary directory and renames it
     when every process has written its part, so a writer killed half-way
     leaves nothing that is listed; fdp then records every file's SHA-256, and
-    :meth:`restore` checks them. A damaged checkpoint (a flipped bit, a cut
-    file, a deleted file, a save that never finished) is never loaded: the
-    newest intact one is, with a warning naming the bad one, which is moved
-    aside to ``<step>.fdp-corrupt``.
+    :meth:`restore` checks them. A checkpoint is complete once its checksums
+    are written, and the oldest one is deleted only after that, so a writer
+    killed at any moment leaves ``max_to_keep`` complete checkpoints or the
+    step it was saving whole. A damaged checkpoint (a flipped bit, a cut file,
+    a deleted file) is never loaded: the newest intact one is, with a warning
+    naming the bad one, which is moved aside to ``<step>.fdp-corrupt``.
 
     With several processes every process must call :meth:`save` and
     :meth:`restore` with its view of the same global state; Orbax writes each
@@ -103,8 +105,16 @@ class CheckpointManager:
             )
         self.directory = os.path.abspath(os.fspath(directory))
         self.async_save = bool(async_save)
+        self._max_to_keep = max_to_keep
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            # fdp deletes old steps itself (_complete): Orbax would delete them as
+            # soon as it has published the new step, before fdp has checksummed it,
+            # and a writer killed in between would leave no complete step at all.
+            # Checksumming before Orbax publishes is not possible from outside:
+            # Orbax writes into the step while renaming it into place (a commit
+            # file, the commit time), and a synchronous save offers no hook
+            # between its finalisation and that rename.
+            max_to_keep=None,
             enable_async_checkpointing=self.async_save,
             # Half-written checkpoints of a killed run are removed on the next start.
             cleanup_tmp_directories=True,
@@ -120,6 +130,14 @@ class CheckpointManager:
         )
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
+        # Steps that process 0 deletes once the newest one is complete. Every
+        # process drops them from its listing, without reading the directory
+        # while process 0 may be deleting in it.
+        self._retiring: list[int] = []
+        self._retired: set[int] = set()
+
+    def _steps(self) -> list[int]:
+        return sorted(s for s in self._manager.all_steps() if s not in self._retired)
 
     def step_dir(self, step: int) -> str:
         """The directory of checkpoint ``step``."""
@@ -155,7 +173,8 @@ class CheckpointManager:
         _ckpt_tree.refuse_optimizer_alone(state)
         tree = _ckpt_tree.to_tree(state) if _ckpt_tree.has_nnx(state) else state
         self._finish_writes()
-        in_the_way = [s for s in self._manager.all_steps() if s >= step]
+        steps = self._steps()
+        in_the_way = [s for s in steps if s >= step]
         if in_the_way and not overwrite:
             raise ValueError(
                 f"cannot save step={step}: the newest checkpoint in {self.directory} is step "
@@ -163,8 +182,20 @@ class CheckpointManager:
                 "Resume from it (ckpt.restore(...)) and save later steps, save to a new "
                 f"directory, or pass overwrite=True to delete steps {sorted(in_the_way)} first."
             )
+        if step in self._retired:
+            # Orbax still lists it (process 0 deleted it behind Orbax's back): read
+            # the directory again once process 0 is past its deletions.
+            barrier()
+            self._manager.reload()
+            self._retired.clear()
         for s in sorted(in_the_way):
             self._manager.delete(s)
+        kept = [s for s in steps if s < step] + [step]
+        self._retiring = kept[: -self._max_to_keep] if self._max_to_keep else []
+        if jax.process_index() == 0:
+            # Before Orbax writes anything: a step it publishes without checksums
+            # is then known to be this one, cut off before fdp checksummed it.
+            _ckpt_files.mark_pending(self.directory, step)
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -176,20 +207,32 @@ class CheckpointManager:
             raise RuntimeError(f"orbax did not save step={step} in {self.directory}.")
         if self.async_save:
             self._writer = threading.Thread(
-                target=self._write_manifest_when_done, args=(step,), daemon=True
+                target=self._complete_when_written, args=(step, self._retiring), daemon=True
             )
             self._writer.start()
         else:
-            self._write_manifest(step)
+            self._complete(step, self._retiring)
 
-    def _write_manifest(self, step: int) -> None:
-        if jax.process_index() == 0:
-            _ckpt_files.write_manifest(self.step_dir(step))
+    def _complete(self, step: int, retiring: list[int]) -> None:
+        """Checksums ``step`` once Orbax has published it, then deletes the old steps.
 
-    def _write_manifest_when_done(self, step: int) -> None:
+        In this order, so that a process killed at any point leaves either the old
+        complete steps or the new one whole (restore finishes it, see _choose). It
+        runs after Orbax's own finalisation, which on every process waits until
+        all processes have written their parts, so process 0 alone does it.
+        """
+        if jax.process_index() != 0:
+            return
+        _ckpt_files.write_manifest(self.step_dir(step))
+        _ckpt_files.clear_pending(self.directory, step)
+        for s in retiring:
+            _ckpt_files.remove(self.step_dir(s))
+        _ckpt_files.remove_leftovers(self.directory)
+
+    def _complete_when_written(self, step: int, retiring: list[int]) -> None:
         try:
             self._manager.wait_until_finished()
-            self._write_manifest(step)
+            self._complete(step, retiring)
         except BaseException as e:  # raised in the caller's thread by _finish_writes
             self._writer_error = e
 
@@ -201,23 +244,49 @@ class CheckpointManager:
         self._manager.wait_until_finished()
         error, self._writer_error = self._writer_error, None
         if error is not None:
+            self._retiring = []  # not deleted: the new step is not complete
             raise RuntimeError(f"a background checkpoint save failed: {error}") from error
+        self._retired.update(self._retiring)
+        self._retiring = []
+
+    def _finish_cut_off(self, step: int, older: list[int]) -> bool:
+        """Checksums ``step`` now if its save was cut off between Orbax and fdp.
+
+        Orbax lists a step only once every process has written it (it publishes
+        a step by renaming it into place), so a listed step without checksums
+        is whole unless someone removed its checksums file. It is taken as
+        whole, checksummed and restored, when the pending mark names it (the
+        writer was killed after Orbax published it, before fdp checksummed it)
+        or when no older step is left (what an fdp without the pending mark
+        left: it let Orbax delete the step before). Otherwise, with no mark
+        and an older complete step to fall back on, it is treated as damaged.
+        """
+        step_dir = self.step_dir(step)
+        if _ckpt_files.has_manifest(step_dir):
+            return False
+        if step != _ckpt_files.pending_step(self.directory) and older:
+            return False
+        _ckpt_files.write_manifest(step_dir)
+        _ckpt_files.clear_pending(self.directory, step)
+        return True
 
     def _choose(self, step: int | None) -> dict[str, Any]:
         """Process 0's verdict: the step to restore, the damaged newer ones, or an error."""
-        steps = sorted(self._manager.all_steps(), reverse=True)
+        steps = sorted(self._steps(), reverse=True)
         if step is not None:
             if step not in steps:
                 return {"error": "missing", "step": step, "steps": sorted(steps)}
+            finished = self._finish_cut_off(step, [s for s in steps if s < step])
             why = _ckpt_files.check(self.step_dir(step))
             if why is None:
-                return {"step": step, "bad": []}
+                return {"step": step, "bad": [], "finished": finished}
             return {"error": "corrupt", "step": step, "bad": [[step, why]], "steps": sorted(steps)}
         bad = []
-        for s in steps:
+        for i, s in enumerate(steps):
+            finished = self._finish_cut_off(s, steps[i + 1 :])
             why = _ckpt_files.check(self.step_dir(s))
             if why is None:
-                return {"step": s, "bad": bad}
+                return {"step": s, "bad": bad, "finished": finished}
             bad.append([s, why])
         return {"error": "corrupt" if bad else "missing", "step": None, "bad": bad, "steps": []}
 
@@ -249,9 +318,10 @@ class CheckpointManager:
         """Restores checkpoint ``step`` (default: the newest intact one) into ``template``.
 
         Without ``step``, a newer checkpoint whose files fail their checksums
-        (or whose save never finished) is skipped with a warning naming it, and
-        moved aside to ``<step>.fdp-corrupt`` so that the resumed run can save
-        that step again.
+        is skipped with a warning naming it, and moved aside to
+        ``<step>.fdp-corrupt`` so that the resumed run can save that step
+        again. A step that Orbax published whole but whose writer was killed
+        before fdp recorded its checksums is checksummed then and restored.
 
         Args:
           template: a state with the saved structure, shapes and dtypes, for
@@ -279,6 +349,14 @@ class CheckpointManager:
             if verdict["error"] == "corrupt" and step is None:
                 self._move_aside([s for s, _ in verdict["bad"]])
             self._raise(verdict)
+        if verdict["finished"]:
+            _log.warning(
+                "fdp.CheckpointManager: checkpoint step=%d in %s was saved whole, but the "
+                "process writing it stopped before fdp recorded its checksums; recorded them "
+                "now and restoring it.",
+                verdict["step"],
+                self.directory,
+            )
         if verdict["bad"]:
             self._move_aside([s for s, _ in verdict["bad"]])
             for s, why in verdict["bad"]:
@@ -299,6 +377,7 @@ class CheckpointManager:
                 _ckpt_files.move_aside(self.step_dir(s))
         barrier()
         self._manager.reload()
+        self._retired.clear()
 
     def _restore(self, template: Any, step: int) -> Restored:
         is_nnx = _ckpt_tree.has_nnx(template)
@@ -331,12 +410,13 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest saved step, or ``None`` if there is none (waits for a background save)."""
         self._finish_writes()
-        return self._manager.latest_step()
+        steps = self._steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
         """Every saved step, oldest first (waits for a background save)."""
         self._finish_writes()
-        return sorted(self._manager.all_steps())
+        return self._steps()
 
     def wait_until_finished(self) -> None:
         """Blocks until a background save is written and its checksums recorded."""

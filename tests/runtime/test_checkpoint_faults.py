@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _procs import start
+from _procs import finish, start
 
 import fdp
+from fdp.runtime import _ckpt_files
 
 
 def state_of(value, dtype=jnp.float32):
@@ -93,6 +94,22 @@ def test_a_damaged_newest_step_is_skipped_with_a_warning(tmp_path, fault, caplog
     assert (tmp_path / "2.fdp-corrupt").is_dir()
 
 
+def test_a_step_without_checksums_and_nothing_older_is_checksummed_and_restored(tmp_path, caplog):
+    # What an fdp without the pending mark left when killed before the checksums
+    # (it had let Orbax delete the step before): the step is whole, so it is kept.
+    save_steps(tmp_path, [5])
+    os.remove(tmp_path / "5" / _ckpt_files.MANIFEST)
+    with (
+        caplog.at_level(logging.WARNING, "fdp.checkpoint"),
+        fdp.CheckpointManager(tmp_path) as ckpt,
+    ):
+        restored = ckpt.restore(state_of(0))
+    assert (restored.step, restored.data_position) == (5, {"step": 5})
+    np.testing.assert_array_equal(restored.state["w"], np.full(64, 5.0))
+    assert "step=5" in caplog.text and "recorded them now" in caplog.text
+    assert _ckpt_files.check(str(tmp_path / "5")) is None
+
+
 def test_a_damaged_step_asked_for_by_number_is_an_error_naming_it(tmp_path):
     save_steps(tmp_path, [1, 2])
     flip(glob.glob(str(tmp_path / "2/state/ocdbt.process_0/d/*"))[0])
@@ -154,24 +171,57 @@ def test_killing_the_writer_at_random_moments_never_loses_the_last_intact_step(
     last = 0
     for kill in range(10):
         proc = start(args, marker)
-        # Wait for the first save of this run, then kill it at a random moment.
-        assert proc.stdout.readline().startswith("saved"), proc.stderr.read()
+        # Wait until a save of this run is complete (sync: `saved s` comes after its
+        # checksums; async: `saved s+1` comes once save(s+1) has waited for step s),
+        # however slow the machine, then kill it at a random moment.
+        lines = [proc.stdout.readline() for _ in range(2 if use_async else 1)]
+        assert all(line.startswith("saved") for line in lines), proc.stderr.read()
+        complete = int(lines[0].split()[1])
         time.sleep(rng.uniform(0.0, 0.4))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         began = time.monotonic()
         with fdp.CheckpointManager(tmp_path) as ckpt:
-            try:
-                restored = ckpt.restore(template)
-            except (FileNotFoundError, fdp.CorruptCheckpointError):
-                assert last == 0, kill  # only before any save has ever finished
-                continue
+            restored = ckpt.restore(template)
         took = time.monotonic() - began
         s = restored.step
-        # A run killed before its first save finished adds no step: the last one stays.
-        assert s >= last and restored.data_position == {"step": s}, (kill, s, last)
+        # The step this run completed, or a newer one, never an older one.
+        assert s >= max(last, complete) and restored.data_position == {"step": s}, (
+            kill,
+            s,
+            last,
+            complete,
+        )
         for leaf in jax.tree.leaves(restored.state):
             np.testing.assert_array_equal(leaf, np.full(leaf.shape, s, np.float32))
         assert took < 30
         last = s
     assert last >= 10  # the runs did get further
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_writer_killed_after_orbax_published_a_step_before_its_checksums_loses_nothing(
+    tmp_path, marker, use_async
+):
+    # Issue 32 item 1: with max_to_keep=1, process 0 killed after Orbax published
+    # step 3 (and, then, deleted step 2) but before fdp checksummed it; the next
+    # start moved step 3 aside as damaged and trained from scratch.
+    args = ["tests/workers/ckpt_writer.py", tmp_path, "--keep", "1"]
+    args += ["--die-before-checksums-of", "3"] + (["--async"] if use_async else [])
+    result = finish(start(args, marker), 120, time.monotonic())
+    assert result.returncode == -signal.SIGKILL, result.output
+    assert result.stdout.splitlines()[-1] == "dying 3", result.output
+    assert not (tmp_path / "3" / _ckpt_files.MANIFEST).exists()
+    # The last complete step stays until the new one is complete.
+    assert _ckpt_files.check(str(tmp_path / "2")) is None
+    template = fdp.replicate({f"w{i}": jnp.zeros((256, 256)) for i in range(8)})
+    with fdp.CheckpointManager(tmp_path, max_to_keep=1) as ckpt:
+        restored = ckpt.restore(template)
+        assert (restored.step, restored.data_position) == (3, {"step": 3})
+        for leaf in jax.tree.leaves(restored.state):
+            assert leaf.dtype == np.float32
+            np.testing.assert_array_equal(leaf, np.full(leaf.shape, 3.0, np.float32))
+        ckpt.save(4, restored.state, data_position={"step": 4})  # the run goes on
+        assert ckpt.all_steps() == [4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4"]
