@@ -1,0 +1,228 @@
+"""fdp's step against plain jit + NamedSharding, compiled by XLA's GPU compiler (no GPU).
+
+For each model (an MLP, a CNN, a GPT-style decoder) and each target (8 x H100 SXM,
+8 x A100 SXM 80 GB), both programs are compiled deviceless (fdp.observe.gpu_mesh)
+from shapes alone, and read from the compiled, scheduled module:
+
+- collectives by kind (count, per-device bytes) and fdp's buckets among them;
+- the two-stream overlap estimate of fdp.observe._schedule (matrix products at the
+  target's peak, ring bytes over one NVLink direction): communication alone, the part
+  the compute stream waits for (exposed), and the share hidden;
+- temp and peak memory per device (peak = arguments + outputs - aliased + temp).
+
+Nothing here is a timing: it is the structure and memory of the program XLA:GPU
+would run. Ratios are fdp over plain jit in the same run.
+
+    python benchmarks/gpu_programs.py --json benchmarks/results/gpu_programs.json
+"""
+
+import argparse
+import json
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fdp
+from fdp.observe._gpu import gpu_mesh
+from fdp.observe._hlo import collective_stats, loop_collectives
+from fdp.observe._schedule import read_schedule
+
+MiB = 1024 * 1024
+
+
+class MLP(nn.Module):
+    width: int = 4096
+    depth: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(1000)(x)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for features in (128, 256, 512, 1024):
+            x = nn.relu(nn.Conv(features, (3, 3))(x))
+            x = nn.relu(nn.Conv(features, (3, 3))(x))
+            x = nn.max_pool(x, (2, 2), (2, 2))
+        x = x.mean(axis=(1, 2))
+        return nn.Dense(1000)(nn.relu(nn.Dense(4096)(x)))
+
+
+class Block(nn.Module):
+    dim: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(self.dim)(nn.gelu(nn.Dense(4 * self.dim)(h)))
+
+
+class GPT(nn.Module):
+    vocab: int = 32000
+    dim: int = 768
+    depth: int = 12
+    heads: int = 12
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.dim)(tokens)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.dim))
+        for _ in range(self.depth):
+            x = Block(self.dim, self.heads)(x)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def models(scale):
+    """name -> (model, example input shape, input dtype, per-device rows, classes)."""
+    return {
+        "mlp": (MLP(), (4096,), jnp.float32, 256 // scale, 1000),
+        "cnn": (CNN(), (64, 64, 3), jnp.float32, 32 // scale, 1000),
+        "gpt": (GPT(), (1024,), jnp.int32, 8 // scale, 32000),
+    }
+
+
+def loss_for(model, tokens):
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["x"])
+        labels = batch["y"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    del tokens
+    return loss_fn
+
+
+def abstract_state(model, shape, dtype, mesh):
+    def make():
+        params = model.init(jax.random.key(0), jnp.zeros((1, *shape), dtype))["params"]
+        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-4))
+
+    return fdp.replicate(jax.eval_shape(make), mesh)
+
+
+def abstract_batch(shape, dtype, rows, classes, mesh, tokens):
+    data = NamedSharding(mesh, P("data"))
+    label_shape = (rows, *shape) if tokens else (rows,)
+    return {
+        "x": jax.ShapeDtypeStruct((rows, *shape), dtype, sharding=data),
+        "y": jax.ShapeDtypeStruct(label_shape, jnp.int32, sharding=data),
+    }
+
+
+def plain_jit(loss_fn, state, batch, mesh):
+    """Data parallelism as plain JAX writes it: jit, replicated state, sharded batch."""
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+
+    whole = NamedSharding(mesh, P())
+    out = (jax.tree.map(lambda _: whole, state), whole)
+    return jax.jit(step, out_shardings=out, donate_argnums=0).lower(state, batch).compile()
+
+
+def describe(compiled, target, plan=None):
+    stats = collective_stats(compiled)
+    schedule = read_schedule(compiled, target)
+    memory = compiled.memory_analysis()
+    peak = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    row = {
+        "collectives": stats.summary(),
+        "collectives_in_loops": len(loop_collectives(compiled).ops),
+        "comm_ms": schedule.comm_seconds * 1e3,
+        "exposed_ms": schedule.exposed_seconds * 1e3,
+        "compute_ms": schedule.compute_seconds * 1e3,
+        "hidden": schedule.hidden_fraction,
+        "temp_mib": memory.temp_size_in_bytes / MiB,
+        "peak_mib": peak / MiB,
+    }
+    if plan is not None:
+        row["plan_buckets"] = len(plan.buckets)
+        row["bucket_collectives"] = [list(c.buckets) for c in schedule.collectives if c.buckets]
+    return row
+
+
+def run(args):
+    rows = []
+    for target in args.targets.split(","):
+        mesh = gpu_mesh(target, args.devices)
+        for name in args.models.split(","):
+            model, shape, dtype, per_device, classes = models(args.scale)[name]
+            tokens = name == "gpt"
+            state = abstract_state(model, shape, dtype, mesh)
+            batch = abstract_batch(shape, dtype, per_device * args.devices, classes, mesh, tokens)
+            loss_fn = loss_for(model, tokens)
+            params = sum(x.size for x in jax.tree.leaves(state.params))
+            t0 = time.perf_counter()
+            base = describe(plain_jit(loss_fn, state, batch, mesh), target)
+            t1 = time.perf_counter()
+            for accumulate in args.accumulate:
+                step = fdp.train_step(loss_fn, mesh=mesh, accumulate_steps=accumulate)
+                compiled = step.lower(state, batch).compile()
+                ours = describe(compiled, target, step.plan)
+                rows.append(
+                    {
+                        "target": target,
+                        "model": name,
+                        "parameters": params,
+                        "accumulate_steps": accumulate,
+                        "fdp": ours,
+                        "jit": base,
+                        "compile_s": {"jit": t1 - t0, "fdp": time.perf_counter() - t1},
+                    }
+                )
+                print_row(rows[-1])
+    return rows
+
+
+def print_row(r):
+    f, j = r["fdp"], r["jit"]
+    count = sum(v["count"] for v in f["collectives"].values())
+    jcount = sum(v["count"] for v in j["collectives"].values())
+    print(
+        f"{r['target']:11} {r['model']:4} {r['parameters'] / 1e6:7.1f}M "
+        f"acc={r['accumulate_steps']} "
+        f"| buckets {f['plan_buckets']:3} collectives fdp {count:3} jit {jcount:3} "
+        f"| exposed ms fdp {f['exposed_ms']:7.3f} jit {j['exposed_ms']:7.3f} "
+        f"(comm {f['comm_ms']:.3f}/{j['comm_ms']:.3f}, compute {f['compute_ms']:.3f}) "
+        f"| temp MiB fdp {f['temp_mib']:8.1f} jit {j['temp_mib']:8.1f} "
+        f"({f['temp_mib'] / max(j['temp_mib'], 1e-9):.3f}x) "
+        f"| peak MiB {f['peak_mib']:8.1f} / {j['peak_mib']:8.1f}",
+        flush=True,
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="h100_sxm,a100_sxm_80")
+    parser.add_argument("--models", default="mlp,cnn,gpt")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--scale", type=int, default=1, help="divide per-device batches by this")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
