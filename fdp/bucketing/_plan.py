@@ -289,6 +289,7 @@ def _cached_plan(
     bucket_cap_mb: float,
     first_bucket_cap_mb: float,
     exclude: tuple[int, ...],
+    order: tuple[int, ...] | None,
 ) -> BucketPlan:
     structs = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
     return plan_buckets(
@@ -296,6 +297,7 @@ def _cached_plan(
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
         exclude=exclude,
+        order=order,
     )
 
 
@@ -304,15 +306,24 @@ def plan_for(
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
     exclude: Sequence[int] = (),
+    order: Sequence[int] | None = None,
 ) -> BucketPlan:
-    """:func:`plan_buckets` memoised on the tree's structure, shapes and dtypes.
+    """:func:`plan_buckets` memoised on the tree's structure, shapes, dtypes and order.
 
     Steps call it at trace time; equal trees share one plan object.
     """
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
     dtypes = tuple(_leaf_meta(x)[1] for x in leaves)
-    return _cached_plan(treedef, shapes, dtypes, bucket_cap_mb, first_bucket_cap_mb, tuple(exclude))
+    return _cached_plan(
+        treedef,
+        shapes,
+        dtypes,
+        bucket_cap_mb,
+        first_bucket_cap_mb,
+        tuple(exclude),
+        None if order is None else tuple(int(i) for i in order),
+    )
 
 
 def _check_indices(indices: Sequence[int], n: int, name: str) -> set[int]:

@@ -47,6 +47,8 @@ class ScheduledCollective:
       position: index of its start in the entry computation's schedule.
       flops_in_flight: matrix-product FLOPs the compute stream issues between
         its start and its done (0 for a synchronous collective).
+      flops_after_start: the share of the program's matrix-product FLOPs issued
+        after its start (how much of the step is still to run when it starts).
       seconds: its time alone on the link.
       exposed_seconds: the time the compute stream waited for it.
     """
@@ -59,6 +61,7 @@ class ScheduledCollective:
     flops_in_flight: float
     seconds: float
     exposed_seconds: float
+    flops_after_start: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +194,7 @@ def read_schedule(program: Any, target: Any) -> Schedule:
         return seconds, flops
 
     collectives: list[ScheduledCollective] = []
+    issued_at_start: list[float] = []
     pending: dict[str, tuple[int, float, float]] = {}  # start name -> (index, end, flops at start)
     t = link = compute = exposed = flops_done = 0.0
     for position, line in enumerate(comps[entry]):
@@ -203,6 +207,7 @@ def read_schedule(program: Any, target: Any) -> Schedule:
             alone = op.sent_bytes / spec.link_bytes_per_s
             begin = max(t, link)
             link = begin + alone
+            issued_at_start.append(flops_done)
             if start:
                 pending[start["name"]] = (len(collectives), link, flops_done)
             else:  # synchronous: the compute stream waits for all of it
@@ -237,4 +242,9 @@ def read_schedule(program: Any, target: Any) -> Schedule:
         compute += step
         flops_done += flops
     comm = sum(c.seconds for c in collectives)
+    if flops_done:
+        collectives = [
+            dataclasses.replace(c, flops_after_start=1.0 - issued / flops_done)
+            for c, issued in zip(collectives, issued_at_start, strict=True)
+        ]
     return Schedule(tuple(collectives), compute, comm, exposed)

@@ -12,7 +12,9 @@ import numpy as np
 
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.step._config import StepConfig
-from fdp.step._usage import ParamUsage, analyse_usage, warn_if_unused
+from fdp.step._ready import ready_order_of
+from fdp.step._state import hook_is_stateful
+from fdp.step._usage import ParamUsage, key_paths_of, trace_loss, usage_of, warn_if_unused
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,14 +90,25 @@ def _prepare(
     config: StepConfig, loss: Callable[..., Any], rows: int, params: tuple, args: tuple
 ) -> StepPlan:
     param_structs = _structs(params)
-    usage = analyse_usage(
+    # One trace of the loss per input shape: the parameters' usage and their ready order.
+    closed = trace_loss(
         loss,
         param_structs,
         *_structs(args),
         axis_env=[(n, int(config.bound_mesh.shape[n])) for n in config.axis_names],
     )
+    paths = key_paths_of(param_structs)
+    usage = usage_of(closed, paths)
     # Points at the user's call of the step: prepare <- the step's __call__ <- user.
     warn_if_unused(usage, config.find_unused_parameters, stacklevel=4)
     exclude = usage.unused if config.find_unused_parameters else ()
-    buckets = plan_for(param_structs, config.bucket_cap_mb, config.first_bucket_cap_mb, exclude)
+    caps = (config.bucket_cap_mb, config.first_bucket_cap_mb)
+    buckets = plan_for(param_structs, *caps, exclude)
+    # DDP rebuilds its buckets in the order gradients became ready; fdp reads that order
+    # from the loss's program. A hook with state between steps (PowerSGD, DiLoCo) keeps
+    # the first plan: its state may be made before any batch is seen (init, a checkpoint
+    # template), from the parameters alone.
+    if not hook_is_stateful(config, buckets):
+        order = ready_order_of(closed.jaxpr, len(paths))
+        buckets = plan_for(param_structs, *caps, exclude, order)
     return StepPlan(buckets, usage, rows)

@@ -104,6 +104,39 @@ def _levels(jaxpr: Any, out_levels: Sequence[int]) -> list[int]:
     return [level.get(v, UNUSED) for v in jaxpr.invars]
 
 
+def trace_loss(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    *args: Any,
+    axis_env: Sequence[tuple[str, int]] = (),
+) -> Any:
+    """The closed jaxpr of ``loss_fn(params, *args)``'s loss (the first output of a tuple).
+
+    Its first inputs are the leaves of ``params``, in ``jax.tree.leaves`` order. The
+    step reads it once per input shape, for the usage (:func:`usage_of`) and the
+    gradient-ready order (:func:`fdp.step._ready.ready_order_of`).
+    """
+
+    def loss_only(p: Any, *rest: Any) -> jax.Array:
+        out = loss_fn(p, *rest)
+        return out[0] if isinstance(out, tuple) else out
+
+    return jax.make_jaxpr(loss_only, axis_env=list(axis_env))(params, *args)
+
+
+def usage_of(closed: Any, key_paths: tuple[str, ...]) -> ParamUsage:
+    """How each of the first ``len(key_paths)`` inputs of the loss's jaxpr takes part in it."""
+    levels = _levels(closed.jaxpr, [USED] * len(closed.jaxpr.outvars))
+    return ParamUsage(key_paths, tuple(levels[: len(key_paths)]))
+
+
+def key_paths_of(params: Any) -> tuple[str, ...]:
+    """``jax.tree_util.keystr`` of every leaf of ``params``."""
+    return tuple(
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )
+
+
 def analyse_usage(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -123,17 +156,8 @@ def analyse_usage(
     Returns:
       A :class:`ParamUsage` for the leaves of ``params``.
     """
-    paths = tuple(
-        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-    )
-
-    def loss_only(p: Any, *rest: Any) -> jax.Array:
-        out = loss_fn(p, *rest)
-        return out[0] if isinstance(out, tuple) else out
-
-    closed = jax.make_jaxpr(loss_only, axis_env=list(axis_env))(params, *args)
-    levels = _levels(closed.jaxpr, [USED] * len(closed.jaxpr.outvars))
-    return ParamUsage(paths, tuple(levels[: len(paths)]))
+    closed = trace_loss(loss_fn, params, *args, axis_env=axis_env)
+    return usage_of(closed, key_paths_of(params))
 
 
 def find_unused_parameters(loss_fn: Callable[..., Any], params: Any, *args: Any) -> tuple[str, ...]:

@@ -50,7 +50,7 @@ def test_levels_from_the_environment_and_from_set_debug_level(monkeypatch):
 def test_info_logs_the_settings_of_a_known_model_once(caplog):
     caplog.set_level(logging.DEBUG, logger="fdp")
     fdp.set_debug_level("INFO")
-    step = run_mlp(steps=3, bucket_cap_mb=0.005, first_bucket_cap_mb=0.001, accumulate_steps=2)
+    step = run_mlp(steps=3, bucket_cap_mb=0.002, first_bucket_cap_mb=0.0005, accumulate_steps=2)
     settings = [r.getMessage() for r in fdp_records(caplog) if "before its first step" in r.message]
     assert len(settings) == 1  # once per step function, not per call
     lines = dict(line.strip().split(": ", 1) for line in settings[0].splitlines()[1:])
@@ -64,10 +64,10 @@ def test_info_logs_the_settings_of_a_known_model_once(caplog):
         "num_parameter_leaves": str(MLP_LEAVES),
         "total_parameter_size_bytes": str(MLP_BYTES),
         "dtypes": "{'float32': 6}",
-        "bucket_cap_mb": "0.005",
-        "first_bucket_cap_mb": "0.001",
-        "bucket_cap_bytes": str(int(0.005 * 2**20)),
-        "first_bucket_cap_bytes": str(int(0.001 * 2**20)),
+        "bucket_cap_mb": "0.002",
+        "first_bucket_cap_mb": "0.0005",
+        "bucket_cap_bytes": str(int(0.002 * 2**20)),
+        "first_bucket_cap_bytes": str(int(0.0005 * 2**20)),
         "num_buckets": str(len(plan.buckets)),
         "bucket_sizes": str([b.nbytes for b in plan.buckets]),
         "comm_hook": "allreduce",

@@ -24,7 +24,7 @@ from fdp.observe._schedule import read_schedule
 
 pytestmark = pytest.mark.gpu_compile
 
-CAPS = {"bucket_cap_mb": 0.25, "first_bucket_cap_mb": 0.25}  # 5 buckets for the MLP below
+CAPS = {"bucket_cap_mb": 0.25, "first_bucket_cap_mb": 0.25}  # 4 buckets for the MLP below
 REDUCTION = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter", 3: "reduce-scatter"}
 
 
@@ -72,7 +72,7 @@ def test_each_bucket_is_one_collective_of_the_gpu_program(
     )
     plan = step.plan
     assert step.config.bound_layout == "flat"  # the GPU default
-    assert len(plan.buckets) == 5
+    assert len(plan.buckets) == 4
     ops = collective_stats(compiled).ops
     kind = REDUCTION[zero_stage]
     reductions = [op.buckets for op in ops if op.kind == kind and op.buckets]
@@ -86,11 +86,11 @@ def test_each_bucket_is_one_collective_of_the_gpu_program(
 
 
 def test_accumulation_overlaps_the_last_micro_batch_and_loops_without_collectives(gpu_mesh):
-    _, compiled = compile_step(gpu_mesh, accumulate_steps=4)
+    step, compiled = compile_step(gpu_mesh, accumulate_steps=4)
     assert loop_collectives(compiled).ops == ()  # no_sync: nothing crosses devices in the loop
     schedule = read_schedule(compiled, "h100_sxm")
     reductions = [c for c in schedule.collectives if c.kind == "all-reduce" and c.buckets]
-    assert len(reductions) == 5
+    assert len(reductions) == len(step.plan.buckets) == 4
     # Backward products of the last micro-batch run while some bucket is in flight.
     assert any(c.flops_in_flight > 0 for c in reductions)
 
@@ -110,3 +110,43 @@ def test_targets_and_meshes_are_checked():
         _gpu.gpu_mesh("h100_sxm", 8, axis_name=("host", "device"), shape=(2, 3))
     assert _gpu.compiler_packages()[0].startswith("jax-cuda12-plugin==")
     assert "A100" in _gpu.gpu_target("a100_sxm_80").config_text()
+
+
+class Decoder(nn.Module):
+    """A 6-layer GPT-style decoder (benchmarks/gpu_programs.py's, narrower)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(8192, 512)(tokens)
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(6):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=8)(h, h, mask=mask)
+            h = nn.LayerNorm()(x)
+            x = x + nn.Dense(512)(nn.gelu(nn.Dense(2048)(h)))
+        return nn.Dense(8192)(nn.LayerNorm()(x))
+
+
+def test_buckets_leave_in_ready_order_while_most_of_the_backward_pass_is_to_run(gpu_mesh):
+    def loss(params, batch):
+        logits = Decoder().apply({"params": params}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    def make():
+        params = Decoder().init(jax.random.key(0), jnp.zeros((1, 512), jnp.int32))["params"]
+        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+    state = fdp.replicate(jax.eval_shape(make), gpu_mesh)
+    rows = NamedSharding(gpu_mesh, P("data"))
+    tokens = jax.ShapeDtypeStruct((64, 512), jnp.int32, sharding=rows)
+    step = fdp.train_step(loss, mesh=gpu_mesh)
+    compiled = step.lower(state, {"x": tokens, "y": tokens}).compile()
+    schedule = read_schedule(compiled, "h100_sxm")
+    reductions = [c for c in schedule.collectives if c.kind == "all-reduce" and c.buckets]
+    # Bucket 0 holds the head (its gradient is ready first), the last bucket the embedding.
+    assert "['Dense_12']['kernel']" in step.plan.buckets[0].key_paths  # the head
+    assert "['Embed_0']['embedding']" in step.plan.buckets[-1].key_paths
+    assert [c.buckets for c in reductions] == [(b.index,) for b in step.plan.buckets]
+    # Backward products are two thirds of the step's: the first bucket leaves with more
+    # than a third of all products (over half the backward pass) still to run.
+    assert reductions[0].flops_after_start > 1 / 3

@@ -15,7 +15,7 @@ from fdp.observe import _observer
 
 pytestmark = pytest.mark.usefixtures("fdp_debug")
 
-CAPS = {"bucket_cap_mb": 0.005, "first_bucket_cap_mb": 0.001}  # 3 buckets for the MLP
+CAPS = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.0005}  # 3 buckets for the MLP
 
 
 def program(compiled_text):
@@ -121,7 +121,7 @@ import fdp
 from _models import cross_entropy, make_data, make_state
 from _procs import run
 state = fdp.replicate(make_state("mlp", "sgd"))
-step = fdp.train_step(cross_entropy(state.apply_fn), bucket_cap_mb=0.005, first_bucket_cap_mb=0.001)
+step = fdp.train_step(cross_entropy(state.apply_fn), bucket_cap_mb=0.002, first_bucket_cap_mb=5e-4)
 batch = fdp.shard_batch(make_data(0, 16))
 state, _ = step(state, batch)
 with jax.profiler.trace(sys.argv[1]):

@@ -129,8 +129,8 @@ def test_the_compiled_collectives_of_each_stage():
             cross_entropy(MLP().apply),
             zero_stage=stage,
             layout="flat",
-            bucket_cap_mb=4e-3,
-            first_bucket_cap_mb=4e-3,
+            bucket_cap_mb=2e-3,
+            first_bucket_cap_mb=2e-3,
         )
         stats[stage] = compiled(step, fdp.replicate(state), batches(1)[0])
         assert len(step.plan.buckets) == 2
