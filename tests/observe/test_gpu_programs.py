@@ -150,3 +150,39 @@ def test_buckets_leave_in_ready_order_while_most_of_the_backward_pass_is_to_run(
     # Backward products are two thirds of the step's: the first bucket leaves with more
     # than a third of all products (over half the backward pass) still to run.
     assert reductions[0].flops_after_start > 1 / 3
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_an_nnx_step_with_dropout_compiles_from_shapes_alone(gpu_mesh, zero_stage):
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(256, 256, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.out = nnx.Linear(256, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.drop(nnx.relu(self.hidden(x))))
+
+    def make():
+        model = Net(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(make)  # nothing allocated
+    rows = NamedSharding(gpu_mesh, P("data"))
+    batch = {
+        "x": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=rows),
+        "y": jax.ShapeDtypeStruct((64,), jnp.int32, sharding=rows),
+    }
+
+    def loss(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    step = fdp.nnx_train_step(loss, mesh=gpu_mesh, zero_stage=zero_stage)
+    ops = collective_stats(step.lower(model, optimizer, batch).compile()).ops
+    kind = REDUCTION[zero_stage]
+    assert sorted(op.buckets for op in ops if op.kind == kind and op.buckets) == [
+        (b.index,) for b in step.plan.buckets
+    ]
