@@ -11,7 +11,9 @@ from shapes alone, and read from the compiled, scheduled module:
 - temp and peak memory per device (peak = arguments + outputs - aliased + temp).
 
 Nothing here is a timing: it is the structure and memory of the program XLA:GPU
-would run. Ratios are fdp over plain jit in the same run.
+would run. Ratios are fdp over plain jit in the same run. With accumulation, plain
+jit accumulates too (a ``lax.scan`` over micro-batches; XLA reduces in every
+iteration), so both hold a gradient accumulator.
 
     python benchmarks/gpu_programs.py --json benchmarks/results/gpu_programs.json
 """
@@ -121,14 +123,37 @@ def abstract_batch(shape, dtype, rows, classes, mesh, tokens):
     }
 
 
-def plain_jit(loss_fn, state, batch, mesh):
-    """Data parallelism as plain JAX writes it: jit, replicated state, sharded batch."""
+def plain_jit(loss_fn, state, batch, mesh, accumulate=1):
+    """Data parallelism as plain JAX writes it: jit, replicated state, sharded batch.
+
+    With ``accumulate`` > 1 the gradients of that many micro-batches are summed in a
+    ``lax.scan`` (each device's micro-batch is a slice of its own rows); XLA's
+    partitioner then reduces inside every iteration.
+    """
+    whole = NamedSharding(mesh, P())
+
+    def grads_of(params, batch):
+        if accumulate == 1:
+            return jax.value_and_grad(loss_fn)(params, batch)
+        n = mesh.shape["data"]
+
+        def micro(x):  # [n*b, ...] -> [K, n*b/K, ...], device d's rows stay on d
+            x = x.reshape(n, accumulate, x.shape[0] // (n * accumulate), *x.shape[1:])
+            x = jnp.swapaxes(x, 0, 1).reshape(accumulate, -1, *x.shape[3:])
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "data")))
+
+        def body(carry, mb):
+            loss, grads = jax.value_and_grad(loss_fn)(params, mb)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(micro, batch))
+        return loss / accumulate, jax.tree.map(lambda g: g / accumulate, grads)
 
     def step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        loss, grads = grads_of(state.params, batch)
         return state.apply_gradients(grads=grads), loss
 
-    whole = NamedSharding(mesh, P())
     out = (jax.tree.map(lambda _: whole, state), whole)
     return jax.jit(step, out_shardings=out, donate_argnums=0).lower(state, batch).compile()
 
@@ -170,10 +195,10 @@ def run(args):
             batch = abstract_batch(shape, dtype, per_device * args.devices, classes, mesh, tokens)
             loss_fn = loss_for(model, tokens)
             params = sum(x.size for x in jax.tree.leaves(state.params))
-            t0 = time.perf_counter()
-            base = describe(plain_jit(loss_fn, state, batch, mesh), target)
-            t1 = time.perf_counter()
             for accumulate in args.accumulate:
+                t0 = time.perf_counter()
+                base = describe(plain_jit(loss_fn, state, batch, mesh, accumulate), target)
+                t1 = time.perf_counter()
                 step = fdp.train_step(loss_fn, mesh=mesh, accumulate_steps=accumulate)
                 compiled = step.lower(state, batch).compile()
                 ours = describe(compiled, target, step.plan)
@@ -202,6 +227,7 @@ def print_row(r):
         f"| buckets {f['plan_buckets']:3} collectives fdp {count:3} jit {jcount:3} "
         f"| exposed ms fdp {f['exposed_ms']:7.3f} jit {j['exposed_ms']:7.3f} "
         f"(comm {f['comm_ms']:.3f}/{j['comm_ms']:.3f}, compute {f['compute_ms']:.3f}) "
+        f"| loops with collectives jit {j['collectives_in_loops']} fdp {f['collectives_in_loops']} "
         f"| temp MiB fdp {f['temp_mib']:8.1f} jit {j['temp_mib']:8.1f} "
         f"({f['temp_mib'] / max(j['temp_mib'], 1e-9):.3f}x) "
         f"| peak MiB {f['peak_mib']:8.1f} / {j['peak_mib']:8.1f}",

@@ -11,6 +11,9 @@ from fdp._version import __version__
 from fdp.launch import _cli as launch_cli
 
 Command = Callable[[argparse.Namespace], int]
+# The GPUs fdp.observe.gpu_mesh knows (fdp/observe/_gpu.py), named here so that building
+# the parser imports nothing.
+GPU_TARGET_NAMES = ("h100_sxm", "a100_sxm_80")
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -33,6 +36,8 @@ def _describe(args: argparse.Namespace) -> int:
     from fdp.observe._demo_models import parameter_shapes
     from fdp.observe._describe import bucket_report
 
+    if args.gpu:
+        return _describe_gpu(args)
     try:
         shapes = parameter_shapes(args.model, args.dtype)
         report = bucket_report(
@@ -48,6 +53,28 @@ def _describe(args: argparse.Namespace) -> int:
     else:
         print(f"model {args.model!r} ({dtype}), buckets in reduce order")
         print(report)
+    return 0
+
+
+def _describe_gpu(args: argparse.Namespace) -> int:
+    from fdp.observe._demo_models import gpu_step
+    from fdp.observe._describe import bucket_report
+    from fdp.observe._gpu_report import gpu_program_report
+
+    try:
+        step, compiled = gpu_step(
+            args.model,
+            args.gpu,
+            devices=args.devices,
+            bucket_cap_mb=args.bucket_cap_mb,
+            first_bucket_cap_mb=args.first_bucket_cap_mb,
+        )
+    except (ValueError, RuntimeError) as e:  # not a built-in model; no GPU compiler here
+        print(f"fdp describe: error: {e}", file=sys.stderr)
+        return 2
+    print(f"model {args.model!r}, the step's buckets in reduce order (its gradient-ready order)")
+    print(bucket_report(step))
+    print(gpu_program_report(compiled, args.gpu, step.plan))
     return 0
 
 
@@ -132,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
         "float32 for the built-in models)",
     )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    describe.add_argument(
+        "--gpu",
+        choices=sorted(GPU_TARGET_NAMES),
+        default=None,
+        help="also compile the built-in model's train step for GPUs of this kind with XLA's "
+        "GPU compiler (no GPU needed; fdp gpu-compiler) and describe the program",
+    )
+    describe.add_argument(
+        "--devices", type=int, default=8, metavar="N", help="GPUs for --gpu (default: 8)"
+    )
     describe.set_defaults(run=_describe, parser=describe)
     gpu = sub.add_parser(
         "gpu-compiler",

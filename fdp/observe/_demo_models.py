@@ -9,7 +9,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -132,3 +132,67 @@ def _function(spec: str) -> Callable[[], Any]:
     if not callable(obj):
         raise ValueError(f"model {spec!r}: {attr!r} is a {type(obj).__name__}, not a function.")
     return obj
+
+
+# The label shape of one example of each built-in model: a class, or a token per position.
+_LABELS = {"mlp": (), "cnn": (), "transformer": (16,)}
+
+
+def gpu_step(
+    name: str,
+    target: str,
+    *,
+    devices: int = 8,
+    rows_per_device: int = 32,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+) -> tuple[Any, Any]:
+    """A built-in model's train step compiled for ``devices`` GPUs of ``target``, deviceless.
+
+    Adam, cross-entropy, ``rows_per_device`` examples per GPU; only shapes exist.
+
+    Returns:
+      ``(step, compiled)``.
+
+    Raises:
+      ValueError: ``name`` is not a built-in model (a ``module:function`` gives
+        parameters only: no loss to compile).
+    """
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fdp.data._placement import replicate
+    from fdp.observe._gpu import gpu_mesh
+    from fdp.step._linen import train_step
+    from fdp.step._state import TrainState
+
+    if name not in MODELS:
+        raise ValueError(
+            f"--gpu compiles a built-in model's step ({sorted(MODELS)}); {name!r} gives "
+            "parameters only. Compile your own step with fdp.observe.gpu_mesh (docs/gpu.md)."
+        )
+    make, example = MODELS[name]
+    model = make()
+    mesh = gpu_mesh(target, devices)
+    rows = NamedSharding(mesh, P("data"))
+    x, n = example(), rows_per_device * devices
+    label_shape = _LABELS[name]
+    batch = {
+        "x": jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype, sharding=rows),
+        "y": jax.ShapeDtypeStruct((n, *label_shape), jnp.int32, sharding=rows),
+    }
+
+    def init() -> Any:
+        params = model.init(jax.random.key(0), example())["params"]
+        return TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        logits = cast(jax.Array, model.apply({"params": params}, batch["x"]))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    state = replicate(jax.eval_shape(init), mesh)
+    step = train_step(
+        loss_fn, mesh=mesh, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb
+    )
+    return step, step.lower(state, batch).compile()

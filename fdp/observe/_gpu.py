@@ -149,10 +149,29 @@ def gpu_compiler_status() -> str | None:
       True
     """
     try:
-        _topology(GPU_TARGETS["h100_sxm"], 1)
+        _compiles(GPU_TARGETS["h100_sxm"])
     except Exception as e:  # the plugin is missing, another version, or refuses to load
         return f"XLA's GPU compiler cannot be loaded here: {e}"
     return None
+
+
+@functools.lru_cache(maxsize=4)
+def _compiles(target: GpuTarget) -> bool:
+    """Compiles a small product for ``target``: the plugin loads, and its tools run.
+
+    XLA:GPU turns its kernels into machine code with CUDA's ``ptxas`` where it
+    finds one; a machine that lacks what the compiler needs fails here, not in
+    the first step compiled.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(_topology(target, 1).devices), ("d",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+    jax.jit(lambda a: jnp.tanh(a @ a)).lower(x).compile()
+    return True
 
 
 def _load_from(folder: Path) -> None:

@@ -69,7 +69,8 @@ class Schedule:
     """The overlap estimate of one compiled program on one target.
 
     Attributes:
-      collectives: every collective of the entry computation, in schedule order.
+      collectives: every collective of the entry computation, in schedule order;
+        a loop that communicates contributes its collectives once per trip.
       compute_seconds: matrix products at peak (the entry computation, loops
         counted by their known trip counts).
       comm_seconds: every collective alone on the link, summed.
@@ -196,51 +197,61 @@ def read_schedule(program: Any, target: Any) -> Schedule:
     collectives: list[ScheduledCollective] = []
     issued_at_start: list[float] = []
     pending: dict[str, tuple[int, float, float]] = {}  # start name -> (index, end, flops at start)
-    t = link = compute = exposed = flops_done = 0.0
-    for position, line in enumerate(comps[entry]):
-        start, done = _START.match(line), _DONE.match(line)
-        if start or (_SYNC.match(line) and not done):
-            ops = collective_stats(line).ops
-            if not ops:
+    clock = {"t": 0.0, "link": 0.0, "compute": 0.0, "exposed": 0.0, "flops": 0.0}
+
+    def walk(lines: list[str], position: int | None) -> None:
+        """Runs ``lines`` on the two streams (``position``: the loop's, inside one)."""
+        for index, line in enumerate(lines):
+            where = index if position is None else position
+            start, done = _START.match(line), _DONE.match(line)
+            loop = re.search(r" while\(.*?body=%([\w.-]+)", line)
+            if loop and any(_START.match(x) or _SYNC.match(x) for x in comps.get(loop[1], [])):
+                # A loop that communicates (plain jit's accumulation): every trip in order.
+                for _ in range(_trip_count(line)):
+                    walk(comps[loop[1]], where)
                 continue
-            op = ops[0]
-            alone = op.sent_bytes / spec.link_bytes_per_s
-            begin = max(t, link)
-            link = begin + alone
-            issued_at_start.append(flops_done)
-            if start:
-                pending[start["name"]] = (len(collectives), link, flops_done)
-            else:  # synchronous: the compute stream waits for all of it
-                exposed += link - t
-                t = link
-            collectives.append(
-                ScheduledCollective(
-                    op.kind,
-                    bucket_indices(line),
-                    op.nbytes,
-                    op.sent_bytes,
-                    position,
-                    0.0,
-                    alone,
-                    0.0 if start else alone,
-                )
+            if start or (_SYNC.match(line) and not done):
+                ops = collective_stats(line).ops
+                if ops:
+                    issue(ops[0], line, where, bool(start), start["name"] if start else "")
+                continue
+            if done and done["start"] in pending:
+                finish(done["start"])
+                continue
+            seconds, flops = line_cost(line, 0)
+            clock["t"] += seconds
+            clock["compute"] += seconds
+            clock["flops"] += flops
+
+    def issue(op: Any, line: str, where: int, is_async: bool, name: str) -> None:
+        alone = op.sent_bytes / spec.link_bytes_per_s
+        clock["link"] = max(clock["t"], clock["link"]) + alone
+        issued_at_start.append(clock["flops"])
+        if is_async:
+            pending[name] = (len(collectives), clock["link"], clock["flops"])
+        else:  # synchronous: the compute stream waits for all of it
+            clock["exposed"] += clock["link"] - clock["t"]
+            clock["t"] = clock["link"]
+        waited = 0.0 if is_async else alone
+        collectives.append(
+            ScheduledCollective(
+                op.kind, bucket_indices(line), op.nbytes, op.sent_bytes, where, 0.0, alone, waited
             )
-            continue
-        if done and done["start"] in pending:
-            index, end, flops_then = pending.pop(done["start"])
-            waited = max(0.0, end - t)
-            exposed += waited
-            t = max(t, end)
-            collectives[index] = dataclasses.replace(
-                collectives[index],
-                flops_in_flight=flops_done - flops_then,
-                exposed_seconds=waited,
-            )
-            continue
-        step, flops = line_cost(line, 0)
-        t += step
-        compute += step
-        flops_done += flops
+        )
+
+    def finish(name: str) -> None:
+        index, end, flops_then = pending.pop(name)
+        waited = max(0.0, end - clock["t"])
+        clock["exposed"] += waited
+        clock["t"] = max(clock["t"], end)
+        collectives[index] = dataclasses.replace(
+            collectives[index],
+            flops_in_flight=clock["flops"] - flops_then,
+            exposed_seconds=waited,
+        )
+
+    walk(comps[entry], None)
+    compute, exposed, flops_done = clock["compute"], clock["exposed"], clock["flops"]
     comm = sum(c.seconds for c in collectives)
     if flops_done:
         collectives = [

@@ -15,6 +15,7 @@ import jax
 
 from fdp._compat import config_value
 from fdp._validate import MAX_TIMEOUT_MS, check_number
+from fdp.observe._debug import logger
 from fdp.runtime import _claim, _config, _memory
 
 # What init learnt about this host, for local_rank() and local_world_size().
@@ -90,9 +91,10 @@ def init(
         every step; on CPU this makes steps faster (the gloo all-reduce
         markedly, one process's compute too), at the cost of keeping the peak
         host working set resident. ``None`` reads ``FDP_MALLOC_TUNING``: ``0``
-        turns it off, ``1`` or unset leaves it on, in one process as with
-        several. Does nothing, with a debug log, where the C library is not
-        glibc.
+        turns it off, ``1`` on; unset, it is on where JAX runs on CPUs and off
+        on GPU hosts (``JAX_PLATFORMS``, ``CUDA_VISIBLE_DEVICES`` or GPU device
+        files say which), where it was never measured. Does nothing, with a
+        debug log, where the C library is not glibc.
 
     Raises:
       ValueError: variables or arguments are malformed, contradictory or
@@ -134,8 +136,11 @@ def init(
             "once, at the start of the program."
         )
     _LOCAL.update(local_rank=settings.local_rank, local_world_size=settings.local_world_size)
-    if _memory.wanted(tune_malloc, os.environ) is not False:
+    wanted = _memory.wanted(tune_malloc, os.environ)
+    if wanted or (wanted is None and not _memory.gpu_host(os.environ)):
         _memory.tune_malloc()
+    elif wanted is None:
+        logger.debug("fdp: host malloc left as it is on a GPU host (FDP_MALLOC_TUNING=1 tunes)")
     if not settings.multi_process:
         return
     if config_value("jax_cpu_collectives_implementation") in (None, "none"):

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from fdp.data._abstract import is_abstract
 from fdp.observe._debug import logger
 from fdp.runtime._memory import release_free_memory
 
@@ -256,6 +257,14 @@ def _tune(
     step_kwargs: dict[str, Any],
 ) -> TuneResult:
     """:func:`tune` for any step called ``step(state, batch, *extra) -> (state, metrics)``."""
+    if is_abstract((state, batch)):
+        raise ValueError(
+            "bucket_cap_mb='auto' (fdp.tune) times candidate steps by running them, and "
+            "got shapes only (jax.ShapeDtypeStruct: a step lowered for compile-only devices, "
+            "such as fdp.observe.gpu_mesh's). Tune on a machine with those devices, or pick "
+            "bucket_cap_mb from the compiled programs (benchmarks/gpu_programs.py, "
+            "docs/gpu.md)."
+        )
     candidates = tuple(dict.fromkeys((float(c), str(lay)) for c in caps for lay in layouts))
     if not candidates:
         raise ValueError(

@@ -186,3 +186,16 @@ def test_an_nnx_step_with_dropout_compiles_from_shapes_alone(gpu_mesh, zero_stag
     assert sorted(op.buckets for op in ops if op.kind == kind and op.buckets) == [
         (b.index,) for b in step.plan.buckets
     ]
+
+
+def test_fdp_describe_reads_the_gpu_program(gpu_mesh, capsys):
+    from fdp.cli import main
+
+    args = ["describe", "--model", "transformer", "--gpu", "a100_sxm_80"]
+    assert main([*args, "--bucket-cap-mb", "0.5", "--first-bucket-cap-mb", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled for NVIDIA A100-SXM4-80GB (deviceless" in out
+    assert "buckets: 5 in the plan; 5 collective(s) carry exactly one" in out
+    assert "memory per GPU: temp" in out
+    assert main(["describe", "--model", "mypkg:params", "--gpu", "h100_sxm"]) == 2
+    assert "compiles a built-in model's step" in capsys.readouterr().err

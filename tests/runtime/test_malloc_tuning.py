@@ -92,3 +92,32 @@ def test_two_processes_train_the_same_with_and_without_tuning(tmp_path, marker):
     start = np.random.default_rng(0).normal(size=(256, 512)).astype(np.float32) / np.sqrt(256)
     assert tuned[1].shape == start.shape
     assert np.abs(tuned[1] - start).max() > 1e-3, "training moved nothing"
+
+
+@pytest.mark.parametrize(
+    ("argument", "env", "calls"),
+    [(None, None, 0), (True, None, 1), (None, "1", 1), (False, None, 0), (None, "0", 0)],
+)
+def test_a_gpu_host_tunes_only_when_asked(monkeypatch, argument, env, calls):
+    """On a GPU host XLA's buffers live in GPU memory: malloc tuning was never measured there."""
+    import fdp
+
+    made = []
+    monkeypatch.setattr(_memory, "tune_malloc", lambda: made.append(1))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    if env is None:
+        monkeypatch.delenv(_memory.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(_memory.ENV_VAR, env)
+    fdp.init(tune_malloc=argument)
+    assert len(made) == calls
+
+
+def test_gpu_hosts_are_told_without_starting_jax(tmp_path):
+    assert not _memory.gpu_host({}, dev=str(tmp_path))
+    (tmp_path / "nvidia0").touch()
+    assert _memory.gpu_host({}, dev=str(tmp_path))
+    assert not _memory.gpu_host({"CUDA_VISIBLE_DEVICES": ""}, dev=str(tmp_path))
+    assert not _memory.gpu_host({"JAX_PLATFORMS": "cpu"}, dev=str(tmp_path))
+    assert _memory.gpu_host({"JAX_PLATFORMS": "cuda,cpu"}, dev=str(tmp_path))

@@ -227,3 +227,16 @@ def test_nnx_auto_step_checks_its_other_settings_when_built():
     _, loss_fn, _ = _nnx_setup()
     with pytest.raises(ValueError, match="buffers='local'"):
         fdp.nnx_train_step(loss_fn, bucket_cap_mb="auto", buffers="local")
+
+
+def test_tuning_needs_devices_it_can_run_on():
+    """Shapes alone (a step lowered for compile-only GPUs) cannot be timed: said plainly."""
+    import jax.numpy as jnp
+
+    state = jax.eval_shape(lambda: make_state("mlp", "sgd"))
+    batch = {
+        "x": jax.ShapeDtypeStruct((16, 8, 8, 1), jnp.float32),
+        "y": jax.ShapeDtypeStruct((16,), jnp.int32),
+    }
+    with pytest.raises(ValueError, match="times candidate steps by running them"):
+        fdp.tune(cross_entropy(state.apply_fn), state, batch)
