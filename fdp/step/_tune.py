@@ -74,11 +74,14 @@ def _signature(tree: Any) -> tuple:
 
 
 def _cache_key(
-    state: Any, batch: Any, mesh: Any, settings: dict[str, Any], candidates: tuple
+    loss_fn: Any, state: Any, batch: Any, mesh: Any, settings: dict[str, Any], candidates: tuple
 ) -> tuple:
     devices = jax.devices()
     mesh_key = None if mesh is None else (tuple(mesh.shape.items()), mesh.devices.shape)
     return (
+        # The loss by identity: another loss is another program, whatever its shapes.
+        # (A fingerprint of its code would merge closures over different models.)
+        loss_fn,
         _signature(getattr(state, "params", state)),
         _signature(batch),
         mesh_key,
@@ -279,7 +282,9 @@ def _tune(
     # DDP's default is always a candidate, and first: it wins ties.
     candidates = (_DEFAULT, *(c for c in candidates if c != _DEFAULT))
     timing = (steps, rounds, warmup, margin, finalists, race_rounds)
-    key = _cache_key(state, batch, step_kwargs.get("mesh"), step_kwargs, (candidates, timing))
+    key = _cache_key(
+        loss_fn, state, batch, step_kwargs.get("mesh"), step_kwargs, (candidates, timing)
+    )
     if key in _CACHE:
         return _CACHE[key]._replace(cached=True)
 

@@ -93,6 +93,9 @@ def test_results_are_cached_and_logged_at_info(caplog):
     # Another batch shape is another signature: tuned again.
     other = fdp.shard_batch(make_data(0, 32))
     assert not fdp.tune(loss_fn, state, other, caps=(1.0,), layouts=("auto",), **FAST).cached
+    # Another loss is another program: tuned again, not answered with the first's result.
+    another = cross_entropy(state.apply_fn)
+    assert not fdp.tune(another, state, batch, caps=(1.0,), layouts=("auto",), **FAST).cached
 
 
 def test_a_margin_keeps_the_default_unless_beaten_clearly():
