@@ -43,6 +43,8 @@ class GpuTarget:
       dense_flops: peak dense matrix FLOP/s per dtype of the products (HLO spelling;
         ``f32`` is TF32, which XLA:GPU uses for float32 products at default precision).
       link_bytes_per_s: one direction of one GPU's NVLink bandwidth (bytes/s).
+      collective_latency_s: the fixed time of one collective on the link,
+        whatever its size (NCCL's small-message latency inside one NVLink host).
     """
 
     name: str
@@ -50,6 +52,7 @@ class GpuTarget:
     file: str
     dense_flops: tuple[tuple[str, float], ...]
     link_bytes_per_s: float
+    collective_latency_s: float = 10e-6
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak dense FLOP/s of a product in ``dtype`` (f32 if unknown)."""
@@ -65,6 +68,9 @@ class GpuTarget:
 
 # NVIDIA's data sheets: H100 SXM5 TF32 494.7, BF16/FP16 989.4 dense TFLOP/s, NVLink 4
 # 900 GB/s (450 each way); A100 SXM4 TF32 156, BF16/FP16 312, NVLink 3 600 GB/s (300 each way).
+# The 10 us per collective is an order of magnitude for NCCL's small all-reduces on one
+# NVLink host (nccl-tests report roughly 10-20 us at 8 GPUs), so that more, smaller
+# buckets are not free in the estimate.
 GPU_TARGETS: dict[str, GpuTarget] = {
     t.name: t
     for t in (

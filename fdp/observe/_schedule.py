@@ -7,8 +7,8 @@ the communication stream. Between a start and its done, the compute stream
 runs whatever the scheduler put there; that work hides the collective.
 
 :func:`read_schedule` walks that order with a two-stream model: matrix products
-take their FLOPs over the GPU's peak, collectives their ring bytes over one
-link's bandwidth, one at a time on the communication stream, and a ``*-done``
+take their FLOPs over the GPU's peak, collectives a fixed latency plus their ring
+bytes over one link's bandwidth, one at a time on the communication stream, and a ``*-done``
 waits for its collective. The time the compute stream waits at the dones is
 the *exposed* communication. It is an estimate from the program's structure
 (peak rates, no launch latency, elementwise work free), good for comparing two
@@ -224,7 +224,7 @@ def read_schedule(program: Any, target: Any) -> Schedule:
             clock["flops"] += flops
 
     def issue(op: Any, line: str, where: int, is_async: bool, name: str) -> None:
-        alone = op.sent_bytes / spec.link_bytes_per_s
+        alone = spec.collective_latency_s + op.sent_bytes / spec.link_bytes_per_s
         clock["link"] = max(clock["t"], clock["link"]) + alone
         issued_at_start.append(clock["flops"])
         if is_async:
