@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+
 from fdp.bucketing import BucketPlan, MiB, plan_for
 
 
@@ -133,6 +135,15 @@ def _plan_of(obj: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> Buck
                 "fdp.describe(params, bucket_cap_mb=..., first_bucket_cap_mb=...)."
             )
         return obj.plan
+    for path, leaf in jax.tree_util.tree_leaves_with_path(obj):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            what = f"{type(leaf).__name__} {leaf!r:.60}"
+            if path:
+                what = f"a {type(obj).__name__} whose leaf {jax.tree_util.keystr(path)} is {what}"
+            raise TypeError(
+                "describe takes a BucketPlan, a train step that has run, or a pytree of "
+                f"parameters (arrays or jax.ShapeDtypeStruct); got {what}."
+            )
     return plan_for(obj, bucket_cap_mb, first_bucket_cap_mb)
 
 
@@ -200,6 +211,7 @@ def describe(obj: Any, *, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: floa
 
     Raises:
       RuntimeError: ``obj`` is a step that has not been traced yet.
+      TypeError: ``obj`` is none of those (a leaf that is not an array).
 
     Example:
       >>> import jax, jax.numpy as jnp

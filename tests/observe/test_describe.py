@@ -122,3 +122,10 @@ def test_cli_describe_takes_your_own_model_as_module_function(capsys, monkeypatc
     ]:
         assert cli.main(["describe", "--model", model]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_what_is_not_parameters_is_named():
+    with pytest.raises(TypeError, match=r"pytree of parameters .*; got int 123\."):
+        fdp.describe(123)
+    with pytest.raises(TypeError, match=r"got a dict whose leaf \['a'\] is str 'x'\."):
+        fdp.describe({"a": "x"})
