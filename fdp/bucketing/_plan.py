@@ -306,6 +306,7 @@ def plan_for(
     bucket_cap_mb: float = 25.0,
     first_bucket_cap_mb: float = 1.0,
     exclude: Sequence[int] = (),
+    *,
     order: Sequence[int] | None = None,
 ) -> BucketPlan:
     """:func:`plan_buckets` memoised on the tree's structure, shapes, dtypes and order.

@@ -110,5 +110,5 @@ def _prepare(
     # template), from the parameters alone.
     if not hook_is_stateful(config, buckets):
         order = ready_order_of(closed.jaxpr, len(paths))
-        buckets = plan_for(param_structs, *caps, exclude, order)
+        buckets = plan_for(param_structs, *caps, exclude, order=order)
     return StepPlan(buckets, usage, rows)

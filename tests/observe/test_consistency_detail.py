@@ -40,13 +40,13 @@ def test_processes_that_agree_train(marker):
 
 
 def test_different_bucket_caps_fail_fast_naming_them(marker):
-    out, seconds = run_detail(marker, "--cap-mb-rank1", "0.005")
+    out, seconds = run_detail(marker, "--cap-mb-rank1", "0.002")
     assert out.returncode == 1, out.output
     summary = out.stderr.split("fdp launch: the worker group failed", 1)[1]
     assert "RuntimeError: Detected mismatch between processes before the first step" in summary
-    assert "bucket_cap_mb: 25.0 on process(es) [0]; 0.005 on process(es) [1]" in summary
+    assert "bucket_cap_mb: 25.0 on process(es) [0]; 0.002 on process(es) [1]" in summary
     assert "buckets: 1 on process(es) [0]; 2 on process(es) [1]" in summary
-    assert "bucket 1: (absent) on process(es) [0]; float32, 1 leaf(s), 128 bytes" in summary
+    assert "bucket 1: (absent) on process(es) [0]; float32, 2 leaf(s), 8320 bytes" in summary
     assert "done:" not in out.stdout  # no step ran
     assert seconds < FAIL_WITHIN, seconds
     print(f"different caps: failed {seconds:.1f} s after the first step was called")
