@@ -37,16 +37,23 @@ def test_a_malformed_variable_is_named():
 def test_one_process_tunes_unless_told_not_to(monkeypatch, argument, env, calls):
     """fdp.init with one process tunes malloc too: one CPU process faults its buffers in
     every step as several do (docs/multihost.md)."""
+    assert tunings(monkeypatch, argument, env, visible_gpus="") == calls
+
+
+def tunings(monkeypatch, argument, env, *, visible_gpus):
+    """How many times fdp.init tunes malloc with these settings on a host with those GPUs."""
     import fdp
 
     made = []
     monkeypatch.setattr(_memory, "tune_malloc", lambda: made.append(1))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible_gpus)  # "": no GPU on this host
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     if env is None:
         monkeypatch.delenv(_memory.ENV_VAR, raising=False)
     else:
         monkeypatch.setenv(_memory.ENV_VAR, env)
     fdp.init(tune_malloc=argument)
-    assert len(made) == calls
+    return len(made)
 
 
 @pytest.mark.parametrize(("env", "expected"), [(None, "M_MMAP_MAX"), ("0", "{}")])
@@ -57,6 +64,8 @@ def test_one_real_process_applies_the_settings(env, expected):
     import sys
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FDP_")}
+    environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU host, where fdp.init tunes by default
+    environ.pop("JAX_PLATFORMS", None)
     if env is not None:
         environ[_memory.ENV_VAR] = env
     code = "import fdp; fdp.init(); from fdp.runtime import _memory; print(_memory.applied)"
@@ -100,18 +109,7 @@ def test_two_processes_train_the_same_with_and_without_tuning(tmp_path, marker):
 )
 def test_a_gpu_host_tunes_only_when_asked(monkeypatch, argument, env, calls):
     """On a GPU host XLA's buffers live in GPU memory: malloc tuning was never measured there."""
-    import fdp
-
-    made = []
-    monkeypatch.setattr(_memory, "tune_malloc", lambda: made.append(1))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    if env is None:
-        monkeypatch.delenv(_memory.ENV_VAR, raising=False)
-    else:
-        monkeypatch.setenv(_memory.ENV_VAR, env)
-    fdp.init(tune_malloc=argument)
-    assert len(made) == calls
+    assert tunings(monkeypatch, argument, env, visible_gpus="0,1") == calls
 
 
 def test_gpu_hosts_are_told_without_starting_jax(tmp_path):
