@@ -136,7 +136,7 @@ def _plan_of(obj: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> Buck
             )
         return obj.plan
     for path, leaf in jax.tree_util.tree_leaves_with_path(obj):
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        if not _array_like(leaf, nested=bool(path)):
             what = f"{type(leaf).__name__} {leaf!r:.60}"
             if path:
                 what = f"a {type(obj).__name__} whose leaf {jax.tree_util.keystr(path)} is {what}"
@@ -145,6 +145,17 @@ def _plan_of(obj: Any, bucket_cap_mb: float, first_bucket_cap_mb: float) -> Buck
                 f"parameters (arrays or jax.ShapeDtypeStruct); got {what}."
             )
     return plan_for(obj, bucket_cap_mb, first_bucket_cap_mb)
+
+
+def _array_like(leaf: Any, *, nested: bool) -> bool:
+    """Whether a leaf reads as a parameter: an array or shape struct, or a number in a tree.
+
+    A bare number is not a tree of parameters (``describe(123)``); strings and other
+    objects never are.
+    """
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return True
+    return nested and isinstance(leaf, bool | int | float | complex)
 
 
 def bucket_report(

@@ -188,11 +188,22 @@ def _load_from(folder: Path) -> None:
             "FDP_GPU_COMPILER_DIR chooses another folder)"
         )
     if str(folder) not in sys.path:
-        sys.path.append(str(folder))
+        sys.path.append(str(folder))  # the plugin imports its own modules later, from here
     # Without CUDA's libraries the plugin refuses to register unless told that only its
-    # compiler is wanted; nothing runs on the devices it describes.
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    _compat.register_cuda_plugin()
+    # compiler is wanted; nothing runs on the devices it describes. Only while it
+    # registers: child processes of this one must not inherit it.
+    skip, before = (
+        "JAX_SKIP_CUDA_CONSTRAINTS_CHECK",
+        os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"),
+    )
+    os.environ[skip] = "1"
+    try:
+        _compat.register_cuda_plugin()
+    finally:
+        if before is None:
+            del os.environ[skip]
+        else:
+            os.environ[skip] = before
 
 
 @functools.lru_cache(maxsize=16)

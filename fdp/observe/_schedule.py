@@ -130,13 +130,14 @@ def _dot_flops(line: str, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> tup
     operands = re.search(r"(?:dot|custom-call)\(%([\w.-]+)", line)
     if out is None or operands is None or operands[1] not in shapes:
         return 0.0, ""
-    lhs = shapes[operands[1]][1]
+    # Priced by the operands' dtype: a bf16 product accumulating into f32 runs at bf16's rate.
+    lhs_dtype, lhs = shapes[operands[1]]
     dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line) or re.search(
         r'"lhs_contracting_dimensions":\[([^\]]*)\]', line
     )
     contracting = [int(d.strip('" ')) for d in dims[1].split(",") if d.strip('" ')] if dims else []
     k = math.prod(lhs[d] for d in contracting if d < len(lhs))
-    return 2.0 * math.prod(out[1]) * k, out[0]
+    return 2.0 * math.prod(out[1]) * k, lhs_dtype
 
 
 def _called(line: str) -> list[str]:
@@ -227,12 +228,13 @@ def read_schedule(program: Any, target: Any) -> Schedule:
         alone = spec.collective_latency_s + op.sent_bytes / spec.link_bytes_per_s
         clock["link"] = max(clock["t"], clock["link"]) + alone
         issued_at_start.append(clock["flops"])
+        waited = 0.0
         if is_async:
             pending[name] = (len(collectives), clock["link"], clock["flops"])
-        else:  # synchronous: the compute stream waits for all of it
-            clock["exposed"] += clock["link"] - clock["t"]
+        else:  # synchronous: the compute stream waits for it, and for the link before it
+            waited = clock["link"] - clock["t"]
+            clock["exposed"] += waited
             clock["t"] = clock["link"]
-        waited = 0.0 if is_async else alone
         collectives.append(
             ScheduledCollective(
                 op.kind, bucket_indices(line), op.nbytes, op.sent_bytes, where, 0.0, alone, waited

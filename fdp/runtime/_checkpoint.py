@@ -196,22 +196,27 @@ class CheckpointManager:
             # Before Orbax writes anything: a step it publishes without checksums
             # is then known to be this one, cut off before fdp checksummed it.
             _ckpt_files.mark_pending(self.directory, step)
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(tree), data_position=ocp.args.JsonSave(position)
-            ),
-            force=True,
-        )
-        if not saved:  # never expected with force=True; a dropped save must not be silent
-            raise RuntimeError(f"orbax did not save step={step} in {self.directory}.")
-        if self.async_save:
-            self._writer = threading.Thread(
-                target=self._complete_when_written, args=(step, self._retiring), daemon=True
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(tree), data_position=ocp.args.JsonSave(position)
+                ),
+                force=True,
             )
-            self._writer.start()
-        else:
-            self._complete(step, self._retiring)
+            if not saved:  # never expected with force=True; a dropped save must not be silent
+                raise RuntimeError(f"orbax did not save step={step} in {self.directory}.")
+            if self.async_save:
+                self._writer = threading.Thread(
+                    target=self._complete_when_written, args=(step, self._retiring), daemon=True
+                )
+                self._writer.start()
+            else:
+                self._complete(step, self._retiring)
+        except BaseException:
+            # Nothing was deleted: the older steps stay listed (and restorable).
+            self._retiring = []
+            raise
 
     def _complete(self, step: int, retiring: list[int]) -> None:
         """Checksums ``step`` once Orbax has published it, then deletes the old steps.

@@ -247,6 +247,7 @@ def local_gradients(
             return loss * (repeats / k), (loss / k, aux, new_carry)
 
         (_, (loss_part, aux, carry)), grads = jax.value_and_grad(weighted, has_aux=True)(params)
+        aux = jax.tree.map(jnp.asarray, aux)  # Python numbers too: the micro-batches stack them
         grad_leaves = jax.tree.leaves(grads)
         acc = [a + g.astype(a.dtype) for a, g in zip(acc, grad_leaves, strict=True)]
         used = used | nonzero_flags([grad_leaves[i] for i in track])

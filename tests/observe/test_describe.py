@@ -129,3 +129,8 @@ def test_what_is_not_parameters_is_named():
         fdp.describe(123)
     with pytest.raises(TypeError, match=r"got a dict whose leaf \['a'\] is str 'x'\."):
         fdp.describe({"a": "x"})
+
+
+def test_numbers_inside_a_tree_are_leaves_too():
+    text = fdp.describe({"w": jnp.ones((3, 3)), "temperature": 1.0, "steps": 3})
+    assert "['temperature']" in text and "in no bucket: 1 leaf(s), 8 bytes (['steps'])" in text

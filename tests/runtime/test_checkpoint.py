@@ -175,3 +175,17 @@ def test_a_state_saved_on_8_devices_restores_onto_4_and_trains_on(tmp_path):
     np.testing.assert_allclose(
         small.params["Dense_0"]["kernel"], big.params["Dense_0"]["kernel"], rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_fails_hides_no_older_step(tmp_path, async_save):
+    with fdp.CheckpointManager(tmp_path, max_to_keep=2, async_save=async_save) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": jnp.full(2, float(step))})
+        ckpt.wait_until_finished()
+        with pytest.raises(Exception):  # noqa: B017  # orbax's own error for an object leaf
+            ckpt.save(4, {"w": jnp.ones(2), "bad": object()})
+            ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [2, 3]  # nothing was deleted, nothing is hidden
+        restored = ckpt.restore({"w": jnp.zeros(2)}, step=2)
+        np.testing.assert_array_equal(restored.state["w"], [2.0, 2.0])

@@ -80,3 +80,16 @@ def test_nnx_logits_are_gathered():
 
     metrics = fdp.nnx_train_step(nnx_loss, has_aux=True)(model, optimizer, {"x": X, "y": Y})
     np.testing.assert_allclose(metrics["aux"], reference_logits(16), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("accumulate_steps", [1, 2])
+def test_python_numbers_in_aux_are_reduced_like_arrays(accumulate_steps):
+    def loss_with_numbers(params, batch):
+        loss, _ = loss_fn(params, batch)
+        return loss, {"scale": 0.5, "count": 3}
+
+    step = fdp.train_step(loss_with_numbers, has_aux=True, accumulate_steps=accumulate_steps)
+    _, metrics = step(fdp.replicate(state()), fdp.shard_batch({"x": X, "y": Y}))
+    # Floats are averaged; integers add up over micro-batches and the 8 devices.
+    assert float(metrics["aux"]["scale"]) == 0.5
+    assert int(metrics["aux"]["count"]) == 3 * accumulate_steps * 8
