@@ -89,10 +89,6 @@ class Schedule:
             return 1.0
         return 1.0 - self.exposed_seconds / self.comm_seconds
 
-    def bucket_order(self, kind: str | None = None) -> list[tuple[int, ...]]:
-        """The bucket indices of each collective (of ``kind``) that names buckets, in order."""
-        return [c.buckets for c in self.collectives if c.buckets and kind in (None, c.kind)]
-
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     comps: dict[str, list[str]] = {}

@@ -305,11 +305,9 @@ class StepConfig:
         """
         mesh = data_mesh(axis_name=self.axis_name) if self.mesh is None else self.mesh
         layout = self.layout
-        platform = mesh.devices.flat[0].platform
-        cpu = platform == "cpu"
+        cpu = mesh.devices.flat[0].platform == "cpu"
         if layout == "auto":
-            gpu = platform in ("gpu", "cuda", "rocm")
-            layout = "flat" if gpu or (cpu and jax.process_count() > 1) else "leaves"
+            layout = "flat" if _on_gpu(mesh) or (cpu and jax.process_count() > 1) else "leaves"
         fold = cpu if self.fold_dots is None else self.fold_dots
         hook = shm_where_possible() if self._sums_in_shared_memory(mesh) else self.comm_hook
         if (
@@ -427,10 +425,9 @@ class StepConfig:
         12-layer one's (0.45 to 0.25), compiled for 8 x H100 (docs/gpu.md).
         """
         mesh = self._need_bound("compiler_options")
-        platform = mesh.devices.flat[0].platform
-        if platform == "cpu":
+        if mesh.devices.flat[0].platform == "cpu":
             return _compat.keep_all_reduces_apart() if self.layout == "flat" else None
-        if platform in ("gpu", "cuda", "rocm"):
+        if _on_gpu(mesh):
             kinds = ("all-reduce", "reduce-scatter")
             return _compat.keep_gpu_collectives_apart(
                 (*kinds, "all-gather") if self.zero_stage >= 3 else kinds
@@ -487,3 +484,8 @@ class StepConfig:
             else:
                 out[field.name] = repr(value)
         return out
+
+
+def _on_gpu(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s devices are GPUs (CUDA or ROCm), compile-only ones included."""
+    return mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
