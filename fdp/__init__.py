@@ -10,6 +10,7 @@ from fdp import runtime as runtime
 from fdp._version import __version__ as __version__
 from fdp.bucketing import plan_buckets as plan_buckets
 from fdp.data._data_parallel import data_parallel as data_parallel
+from fdp.data._grain import grain_shard_options as grain_shard_options
 from fdp.data._join import join as join
 from fdp.data._join import pad_batch as pad_batch
 from fdp.data._placement import DATA_AXIS as DATA_AXIS
@@ -100,6 +101,7 @@ __all__ = [
     "find_unused_parameters",
     "format_info",
     "grad_accumulator",
+    "grain_shard_options",
     "hooks",
     "info",
     "init",

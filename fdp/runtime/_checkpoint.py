@@ -55,6 +55,11 @@ class CheckpointManager:
     themselves, ``save(step, (model, optimizer))`` and
     ``restore((model, optimizer))``: both are saved whole (parameters,
     buffers, RNG state, optimizer state, comm hook state) and restored in place.
+    With a `grain <https://github.com/google/grain>`_ data pipeline, pass its
+    iterator as ``save(..., data_iterator=it)`` and ``restore(...,
+    data_iterator=it)``: each process's iterator state is saved in the same
+    checkpoint (with grain's own Orbax handler) and set back on restore, so the
+    resumed run reads the rest of the epoch, each example once.
 
     A save is never dropped: saving a step at or below the newest one in the
     directory raises unless ``overwrite=True`` (then that step and every newer
@@ -125,6 +130,10 @@ class CheckpointManager:
             "state": ocp.StandardCheckpointHandler(),
             "data_position": ocp.JsonCheckpointHandler(),
         }
+        from fdp.data import _grain  # (the module imports grain only when it is used)
+
+        if _grain.available():  # grain is optional; its handler saves data_iterator=
+            handlers[_grain.ITEM] = _grain.handler()
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
@@ -144,9 +153,15 @@ class CheckpointManager:
         return os.path.join(self.directory, str(step))
 
     def save(
-        self, step: int, state: Any, *, data_position: Any = None, overwrite: bool = False
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_position: Any = None,
+        overwrite: bool = False,
+        data_iterator: Any = None,
     ) -> None:
-        """Saves ``state`` (and ``data_position``) as checkpoint ``step``.
+        """Saves ``state`` (and ``data_position``, ``data_iterator``) as checkpoint ``step``.
 
         Args:
           step: the step number; must be above every step in the directory
@@ -156,9 +171,14 @@ class CheckpointManager:
           data_position: a JSON-serialisable value saying where the data was
             (e.g. :meth:`fdp.DistributedSampler.position`).
           overwrite: delete checkpoint ``step`` and every newer one first.
+          data_iterator: a grain iterator (``iter(grain.DataLoader(...))`` or
+            a grain dataset's iterator); its state now, after the batches
+            already taken from it, is saved by every process for itself.
 
         Raises:
-          TypeError: ``data_position`` is not JSON-serialisable.
+          ImportError: ``data_iterator`` is given and grain is not installed.
+          TypeError: ``data_position`` is not JSON-serialisable;
+            ``data_iterator`` is not a grain iterator.
           ValueError: ``step`` is not a non-negative int; ``step`` is not above
             the newest saved step and ``overwrite`` is False; ``state`` is an
             NNX optimizer's state without its model.
@@ -170,8 +190,16 @@ class CheckpointManager:
             json.dumps(position)
         except TypeError as e:
             raise TypeError(f"data_position must be JSON-serialisable: {e}.") from None
+        from fdp.data import _grain
+
         _ckpt_tree.refuse_optimizer_alone(state)
         tree = _ckpt_tree.to_tree(state) if _ckpt_tree.has_nnx(state) else state
+        items = {
+            "state": ocp.args.StandardSave(tree),
+            "data_position": ocp.args.JsonSave(position),
+        }
+        if data_iterator is not None:
+            items[_grain.ITEM] = _grain.save_args(data_iterator)
         self._finish_writes()
         steps = self._steps()
         in_the_way = [s for s in steps if s >= step]
@@ -197,13 +225,9 @@ class CheckpointManager:
             # is then known to be this one, cut off before fdp checksummed it.
             _ckpt_files.mark_pending(self.directory, step)
         try:
-            saved = self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(tree), data_position=ocp.args.JsonSave(position)
-                ),
-                force=True,
-            )
+            # grain's handler writes the iterator's state in this call, not in
+            # the background: the batches taken after it are not in the checkpoint.
+            saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
             if not saved:  # never expected with force=True; a dropped save must not be silent
                 raise RuntimeError(f"orbax did not save step={step} in {self.directory}.")
             if self.async_save:
@@ -319,7 +343,9 @@ class CheckpointManager:
             f"{self.directory}: {damaged}. Nothing was loaded. {fix}."
         )
 
-    def restore(self, template: Any, *, step: int | None = None) -> Restored:
+    def restore(
+        self, template: Any, *, step: int | None = None, data_iterator: Any = None
+    ) -> Restored:
         """Restores checkpoint ``step`` (default: the newest intact one) into ``template``.
 
         Without ``step``, a newer checkpoint whose files fail their checksums
@@ -335,6 +361,10 @@ class CheckpointManager:
             saved on 8 devices restores onto a mesh of 4). For NNX, the objects
             saved, e.g. ``(model, optimizer)``: they are updated in place.
           step: the checkpoint to restore.
+          data_iterator: a grain iterator of the same pipeline as the one
+            saved (data source, sampler and its shard options,
+            ``worker_count``), on the same number of processes: its state is
+            set to the saved one, before the train state is loaded.
 
         Returns:
           ``Restored(state, data_position, step)``.
@@ -345,8 +375,17 @@ class CheckpointManager:
             fail their checksums (in the latter case they are moved aside too,
             so that a restarted run starts afresh rather than failing again).
           ValueError: ``template`` differs from the checkpoint in a leaf's path,
-            shape or dtype (every such leaf is named).
+            shape or dtype (every such leaf is named); ``data_iterator`` is
+            given and the checkpoint holds no iterator state, or one saved by
+            another number of processes; grain refuses the saved state (another
+            pipeline).
+          ImportError: ``data_iterator`` is given and grain is not installed.
+          TypeError: ``data_iterator`` is not a grain iterator.
         """
+        from fdp.data import _grain
+
+        if data_iterator is not None:
+            _grain.check_iterator(data_iterator)
         self._finish_writes()
         verdict = self._choose(step) if jax.process_index() == 0 else None
         verdict = broadcast_object(verdict)
@@ -374,6 +413,8 @@ class CheckpointManager:
                     self.step_dir(s) + _ckpt_files.CORRUPT_SUFFIX,
                     verdict["step"],
                 )
+        if data_iterator is not None:
+            self._restore_iterator(data_iterator, verdict["step"])
         return self._restore(template, verdict["step"])
 
     def _move_aside(self, steps: list[int]) -> None:
@@ -383,6 +424,44 @@ class CheckpointManager:
         barrier()
         self._manager.reload()
         self._retired.clear()
+
+    def _restore_iterator(self, iterator: Any, step: int) -> None:
+        """Sets ``iterator`` to the state this process saved in ``step`` (grain's handler)."""
+        from fdp.data import _grain
+
+        step_dir = self.step_dir(step)
+        saved = _grain.saved_states(step_dir)
+        if not saved:
+            raise ValueError(
+                f"checkpoint step={step} in {self.directory} holds no data iterator state: it "
+                "was saved without data_iterator=. Restore it without data_iterator= and "
+                "position the data yourself (data_position), or restore a step saved with it."
+            )
+        if len(saved) != jax.process_count():
+            # grain keeps one state per process (its DataLoader's holds the shard
+            # options too), so a state is only ever set on the process that saved it.
+            raise ValueError(
+                f"checkpoint step={step} in {self.directory} holds the data iterator states "
+                f"of {len(saved)} process(es) ({', '.join(saved)}), and this run has "
+                f"{jax.process_count()}: grain restores an iterator's state only on the "
+                "process, and into the shard, that saved it. Resume with "
+                f"{len(saved)} process(es), or restore without data_iterator= and start the "
+                "data afresh (grain.experimental.ElasticIterator's state is the same on "
+                "every process: save it as data_position=it.get_state() to resume it on "
+                "another number of processes)."
+            )
+        try:
+            self._manager.restore(
+                step, args=ocp.args.Composite(**{_grain.ITEM: _grain.restore_args(iterator)})
+            )
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"could not set data_iterator to its state in checkpoint step={step} "
+                f"({os.path.join(step_dir, _grain.ITEM)}): {first}. grain sets a state only "
+                "on an iterator of the same pipeline: the same data source, sampler (with "
+                "its shard options) and worker_count as the one saved. Nothing was loaded."
+            ) from e
 
     def _restore(self, template: Any, step: int) -> Restored:
         is_nnx = _ckpt_tree.has_nnx(template)
