@@ -166,3 +166,9 @@ def test_a_killed_run_resumes_its_grain_pipeline_reading_each_example_once(tmp_p
         kept += [i for s in range(1, 5) for i in first[s]] + [i for _, idx in second for i in idx]
     counts = collections.Counter(kept)
     assert sorted(counts) == list(range(48)) and set(counts.values()) == {1}, counts
+    # One process cannot take over the iterator states of two (grain keeps one a process).
+    with (
+        fdp.CheckpointManager(tmp_path / "ck") as ckpt,
+        pytest.raises(ValueError, match=r"step=6 .* of 2 process\(es\) .*this run has 1"),
+    ):
+        ckpt.restore(state_of(0.0), data_iterator=iter(loader()))
