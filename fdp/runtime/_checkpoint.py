@@ -55,7 +55,7 @@ class CheckpointManager:
     themselves, ``save(step, (model, optimizer))`` and
     ``restore((model, optimizer))``: both are saved whole (parameters,
     buffers, RNG state, optimizer state, comm hook state) and restored in place.
-    With a `grain <https://github.com/google/grain>`_ data pipeline, pass its
+    With a grain data pipeline (see docs/data.md), pass its
     iterator as ``save(..., data_iterator=it)`` and ``restore(...,
     data_iterator=it)``: each process's iterator state is saved in the same
     checkpoint (with grain's own Orbax handler) and set back on restore, so the
@@ -413,9 +413,7 @@ class CheckpointManager:
                     self.step_dir(s) + _ckpt_files.CORRUPT_SUFFIX,
                     verdict["step"],
                 )
-        if data_iterator is not None:
-            self._restore_iterator(data_iterator, verdict["step"])
-        return self._restore(template, verdict["step"])
+        return self._restore(template, verdict["step"], data_iterator)
 
     def _move_aside(self, steps: list[int]) -> None:
         if jax.process_index() == 0:
@@ -463,13 +461,15 @@ class CheckpointManager:
                 "its shard options) and worker_count as the one saved. Nothing was loaded."
             ) from e
 
-    def _restore(self, template: Any, step: int) -> Restored:
+    def _restore(self, template: Any, step: int, data_iterator: Any) -> Restored:
         is_nnx = _ckpt_tree.has_nnx(template)
         tree = _ckpt_tree.to_tree(template) if is_nnx else template
         saved = self._manager.item_metadata(step)["state"]
         problems = _ckpt_tree.differences(tree, saved)
         if problems:
             raise ValueError(_ckpt_tree.mismatch_message(problems, step, self.step_dir(step)))
+        if data_iterator is not None:  # first, as grain advises: it then prefetches
+            self._restore_iterator(data_iterator, step)
         try:
             out = self._manager.restore(
                 step,

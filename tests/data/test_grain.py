@@ -99,6 +99,17 @@ def test_another_pipeline_is_refused_before_the_state_is_loaded(tmp_path):
     assert float(template["w"][0]) == 0.0
 
 
+def test_a_template_that_differs_leaves_the_iterator_as_it_was(tmp_path):
+    batches = iter(loader())
+    next(batches)
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, state_of(1.0), data_iterator=batches)
+        fresh = iter(loader())
+        with pytest.raises(ValueError, match=r"w: saved float32\[3\], template float32\[2\]"):
+            ckpt.restore({"w": jnp.zeros(2)}, data_iterator=fresh)
+    np.testing.assert_array_equal(next(fresh), next(iter(loader())))  # still at the start
+
+
 def test_a_data_iterator_that_is_not_grains_is_a_type_error(tmp_path):
     with fdp.CheckpointManager(tmp_path) as ckpt:
         with pytest.raises(TypeError, match=r"data_iterator must be a grain iterator.*list_iter"):
