@@ -423,12 +423,11 @@ class CheckpointManager:
         self._manager.reload()
         self._retired.clear()
 
-    def _restore_iterator(self, iterator: Any, step: int) -> None:
-        """Sets ``iterator`` to the state this process saved in ``step`` (grain's handler)."""
+    def _check_iterator_state(self, step: int) -> None:
+        """Raises unless ``step`` holds a grain iterator state for each of this run's processes."""
         from fdp.data import _grain
 
-        step_dir = self.step_dir(step)
-        saved = _grain.saved_states(step_dir)
+        saved = _grain.saved_states(self.step_dir(step))
         if not saved:
             raise ValueError(
                 f"checkpoint step={step} in {self.directory} holds no data iterator state: it "
@@ -448,20 +447,30 @@ class CheckpointManager:
                 "every process: save it as data_position=it.get_state() to resume it on "
                 "another number of processes)."
             )
+
+    def _restore_iterator(self, iterator: Any, step: int) -> None:
+        """Sets ``iterator`` to the state this process saved in ``step`` (grain's handler)."""
+        from fdp.data import _grain
+
         try:
             self._manager.restore(
                 step, args=ocp.args.Composite(**{_grain.ITEM: _grain.restore_args(iterator)})
             )
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = os.path.join(self.step_dir(step), _grain.ITEM)
             raise ValueError(
                 f"could not set data_iterator to its state in checkpoint step={step} "
-                f"({os.path.join(step_dir, _grain.ITEM)}): {first}. grain sets a state only "
-                "on an iterator of the same pipeline: the same data source, sampler (with "
-                "its shard options) and worker_count as the one saved. Nothing was loaded."
+                f"({where}): {first}. grain sets a state only on an iterator of the same "
+                "pipeline: the same data source, sampler (with its shard options) and "
+                "worker_count as the one saved. Nothing was loaded."
             ) from e
 
     def _restore(self, template: Any, step: int, data_iterator: Any) -> Restored:
+        # fdp's checks come before anything is set or loaded; grain's own (the same
+        # pipeline?) when it sets the iterator, before the arrays are loaded.
+        if data_iterator is not None:
+            self._check_iterator_state(step)
         is_nnx = _ckpt_tree.has_nnx(template)
         tree = _ckpt_tree.to_tree(template) if is_nnx else template
         saved = self._manager.item_metadata(step)["state"]
