@@ -8,9 +8,13 @@ plain data with MessagePack instead: decoding builds only the types listed in
 Decoding is bounded too, so that no peer can crash a process with its bytes:
 values nest at most :data:`MAX_DEPTH` containers deep (msgpack decodes each
 nested tuple with a recursive call that takes ~40 KB of C stack; ~200 levels
-overflowed it and killed the process with SIGSEGV) and weigh at most
-:data:`MAX_BYTES` encoded. Both sides check, and every failure to decode is a
-:class:`SerializationError`.
+overflowed it and killed the process with SIGSEGV), weigh at most
+:data:`MAX_BYTES` encoded, and hold at most :data:`MAX_OBJECTS` objects once
+decoded. The last bound is what keeps memory in proportion: one byte can
+encode an empty list, which costs Python ~130 bytes once built (a 16 MiB value
+of empty lists took 2.3 GiB and 86 s to decode before the bound; now it is
+refused after at most :data:`MAX_OBJECTS` objects). Both sides check, and every
+failure to decode is a :class:`SerializationError`.
 """
 
 from __future__ import annotations
@@ -39,14 +43,51 @@ MAX_DEPTH = 64
 MAX_BYTES = 256 * 1024 * 1024
 """The largest encoded value, in bytes (host collectives carry control data, not arrays)."""
 
+MAX_OBJECTS = 2**20
+"""The most objects a decoded value may hold: containers and their elements, counted
+once each (an array counts as one). Strings, bytes and arrays take at most the bytes
+they were sent in, so with MAX_BYTES this bounds the memory a decoded value takes."""
+
 
 class SerializationError(ValueError):
     """A value that cannot be sent to, or was not decodable from, another process."""
 
 
-def _check_depth(obj: Any) -> None:
-    """Raises if ``obj`` nests more than MAX_DEPTH containers (walked without recursion)."""
+class _Budget:
+    """Objects one decoded value may still build; counted as msgpack builds containers.
+
+    msgpack calls the hooks as each list or dict is complete, so a value over the
+    budget is refused after at most :data:`MAX_OBJECTS` objects (and one list of at
+    most that many elements, ``max_array_len``) were built, not after all of them.
+    """
+
+    def __init__(self) -> None:
+        self.left = MAX_OBJECTS
+
+    def spend(self, count: int) -> None:
+        self.left -= count
+        if self.left < 0:
+            raise SerializationError(
+                f"the value holds more than MAX_OBJECTS={MAX_OBJECTS} objects (containers "
+                "and their elements); host collectives carry small control values."
+            )
+
+    def list_hook(self, items: list) -> list:
+        self.spend(1 + len(items))
+        return items
+
+    def map_hook(self, items: dict) -> dict:
+        self.spend(1 + 2 * len(items))
+        return items
+
+
+def _check_shape(obj: Any) -> None:
+    """Raises if ``obj`` nests more than MAX_DEPTH containers or holds more than MAX_OBJECTS.
+
+    Walked without recursion, so a cycle or a deep value cannot exhaust the stack.
+    """
     stack: list[tuple[Any, int]] = [(obj, 0)]
+    budget = _Budget()
     while stack:
         value, depth = stack.pop()
         if isinstance(value, dict):
@@ -55,6 +96,7 @@ def _check_depth(obj: Any) -> None:
             children = value
         else:
             continue
+        budget.spend(1 + len(children))
         if depth + 1 > MAX_DEPTH:
             raise SerializationError(
                 f"the value nests containers (list, tuple, dict) more than MAX_DEPTH="
@@ -110,32 +152,32 @@ def _dtype(code: Any) -> np.dtype:
     return dtype
 
 
-def _fields(data: bytes, depth: int, count: int, what: str) -> list:
-    fields = _unpack(data, depth)
+def _fields(data: bytes, depth: int, budget: _Budget, count: int, what: str) -> list:
+    fields = _unpack(data, depth, budget)
     if not isinstance(fields, list) or len(fields) != count:
         raise SerializationError(f"a {what} must be encoded as {count} fields, got {fields!r:.80}.")
     return fields
 
 
-def _decode(code: int, data: bytes, depth: int) -> Any:
+def _decode(code: int, data: bytes, depth: int, budget: _Budget) -> Any:
     if depth > MAX_DEPTH:
         # Checked before msgpack recurses, so the C stack stays bounded.
         raise SerializationError(f"the value nests more than MAX_DEPTH={MAX_DEPTH} containers.")
     if code == _TUPLE:
-        items = _unpack(data, depth)
+        items = _unpack(data, depth, budget)
         if not isinstance(items, list):
             raise SerializationError(f"a tuple must be encoded as a list, got {items!r:.80}.")
         return tuple(items)
     if code == _NPSCALAR:
-        dtype, raw = _fields(data, depth, 2, "numpy scalar")
+        dtype, raw = _fields(data, depth, budget, 2, "numpy scalar")
         return np.frombuffer(raw, dtype=_dtype(dtype), count=1)[0]
     if code == _NDARRAY:
-        dtype, shape, raw = _fields(data, depth, 3, "numpy array")
+        dtype, shape, raw = _fields(data, depth, budget, 3, "numpy array")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise SerializationError(f"an array's shape must be sizes >= 0, got {shape!r:.80}.")
         return np.frombuffer(raw, dtype=_dtype(dtype)).reshape(shape).copy()
     if code == _KEY:
-        impl, raw = _fields(data, depth, 2, "PRNG key array")
+        impl, raw = _fields(data, depth, budget, 2, "PRNG key array")
         if not (isinstance(impl, str) and isinstance(raw, np.ndarray)):
             raise SerializationError(
                 f"a PRNG key array must be encoded as 2 fields, a name and an array; got "
@@ -145,10 +187,15 @@ def _decode(code: int, data: bytes, depth: int) -> Any:
     raise SerializationError(f"received a value with unknown extension code {code}.")
 
 
-def _unpack(data: bytes, depth: int) -> Any:
+def _unpack(data: bytes, depth: int, budget: _Budget) -> Any:
     return msgpack.unpackb(
         data,
-        ext_hook=lambda code, inner: _decode(code, inner, depth + 1),
+        ext_hook=lambda code, inner: _decode(code, inner, depth + 1, budget),
+        list_hook=budget.list_hook,
+        object_hook=budget.map_hook,
+        # A header may not promise more elements than the budget (msgpack allocates them).
+        max_array_len=MAX_OBJECTS,
+        max_map_len=MAX_OBJECTS,
         raw=False,
         strict_map_key=False,
     )
@@ -158,22 +205,23 @@ def dumps(obj: Any) -> bytes:
     """Encodes ``obj`` for a peer, which decodes it with :func:`loads`.
 
     ``obj`` may nest None, bool, int, float, str, bytes, list, tuple, dict,
-    numpy arrays and numpy scalars, up to :data:`MAX_DEPTH` containers deep;
+    numpy arrays and numpy scalars, up to :data:`MAX_DEPTH` containers deep and
+    :data:`MAX_OBJECTS` objects in all;
     ``jax.Array`` s travel as numpy arrays, and typed PRNG key arrays
     (``jax.random.key``) as their raw data and implementation's name, decoded
     into key arrays again.
 
     Raises:
       TypeError: ``obj`` holds a value of another type.
-      SerializationError: ``obj`` nests too deep, or encodes to more than
-        :data:`MAX_BYTES`.
+      SerializationError: ``obj`` nests too deep, holds more than
+        :data:`MAX_OBJECTS` objects, or encodes to more than :data:`MAX_BYTES`.
 
     Example:
       >>> import numpy as np
       >>> loads(dumps({"step": 3, "shape": (2, 3), "w": np.arange(3)}))
       {'step': 3, 'shape': (2, 3), 'w': array([0, 1, 2])}
     """
-    _check_depth(obj)
+    _check_shape(obj)
     try:
         packed = _pack(obj)
     except (ValueError, OverflowError) as e:  # msgpack's limits: ints over 64 bits, 4 GiB
@@ -191,19 +239,24 @@ def loads(data: bytes) -> Any:
 
     Raises:
       SerializationError: ``data`` is not a value :func:`dumps` makes, or is
-        over :data:`MAX_BYTES` or :data:`MAX_DEPTH`. Never another error,
-        whatever the bytes.
+        over :data:`MAX_BYTES`, :data:`MAX_DEPTH` or :data:`MAX_OBJECTS`.
+        Never another error, whatever the bytes.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise SerializationError(f"expected bytes, got {type(data).__name__}.")
     if len(data) > MAX_BYTES:
         raise SerializationError(f"received {len(data)} bytes, more than MAX_BYTES={MAX_BYTES}.")
     try:
-        value = _unpack(bytes(data), 0)
-        _check_depth(value)
+        value = _unpack(bytes(data), 0, _Budget())
+        _check_shape(value)
     except SerializationError:
         raise
     except Exception as e:  # msgpack, numpy and unicode errors: whatever the bytes say
+        if "exceeds max_array_len" in str(e) or "exceeds max_map_len" in str(e):
+            raise SerializationError(
+                f"received a container of more than MAX_OBJECTS={MAX_OBJECTS} elements "
+                f"({e}); host collectives carry small control values."
+            ) from None
         detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise SerializationError(
             f"received {len(data)} bytes that are not a value encoded by fdp.runtime ({detail})."

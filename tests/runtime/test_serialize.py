@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fdp.runtime import SerializationError
-from fdp.runtime._serialize import MAX_BYTES, MAX_DEPTH, dumps, loads
+from fdp.runtime._serialize import MAX_BYTES, MAX_DEPTH, MAX_OBJECTS, dumps, loads
 
 # Deterministic: the same examples on every run, so a failure reproduces.
 FUZZ = settings(
@@ -140,7 +140,7 @@ def test_corrupted_encodings_decode_or_raise_fdp_error(value, data):
     ids=lambda p: f"{bytes(p[:6]).hex()}..{len(p)}B",
 )
 def test_adversarial_payloads_raise_fdp_error(payload):
-    reasons = "nests|not a value|dtype|shape|extension|fields|tuple"
+    reasons = "nests|not a value|dtype|shape|extension|fields|tuple|MAX_OBJECTS"
     with pytest.raises(SerializationError, match=reasons):
         loads(payload)
 
@@ -191,3 +191,17 @@ def test_a_deeply_nested_value_no_longer_kills_the_process():
     )
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert "refused: the value nests more than MAX_DEPTH" in out.stdout
+
+
+def test_object_count_is_bounded_on_both_sides():
+    """On main a 16 MiB value of empty lists decoded into +1.1 GiB of memory (in 35-117 s)."""
+    most = (MAX_OBJECTS - 1) // 2  # the list, and each element both as an element and a list
+    assert loads(dumps([[]] * most)) == [[]] * most
+    with pytest.raises(SerializationError, match=f"more than MAX_OBJECTS={MAX_OBJECTS}"):
+        dumps([[]] * (most + 1))
+    with pytest.raises(SerializationError, match=f"more than MAX_OBJECTS={MAX_OBJECTS}"):
+        loads(msgpack.packb([[]] * (most + 1)))
+    # A header promising more elements than the bound is refused before they are made.
+    flat = b"\xdd" + (16 * 2**20).to_bytes(4, "big") + b"\x90" * 16
+    with pytest.raises(SerializationError, match=f"more than MAX_OBJECTS={MAX_OBJECTS}"):
+        loads(flat)
