@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import fcntl
 import hashlib
 import json
 import logging
@@ -46,7 +47,10 @@ CAPACITY_ENV = "FDP_SHM_CAPACITY_MB"
 ENABLE_ENV = "FDP_SHM_ALLREDUCE"
 DEFAULT_CAPACITY_MB = 1024
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+SHM_DIR = "/dev/shm"
+PREFIX = "fdp-shm-"  # then the owner's pid, a dash and mkstemp's letters
 _HEADER = 64
+_RECORD_BYTES = 64 * 1024  # a peer's set-up record is ~200 bytes of JSON
 # No FMA contraction: x * scale + y must round as XLA's multiply-then-add does.
 CXXFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 
@@ -192,6 +196,7 @@ def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[s
     if optional and not obstacle and want > capacity:
         obstacle = f"a bucket of {want / 2**20:.1f} MiB is over {CAPACITY_ENV}"
     mine: dict[str, Any] = {"capacity": capacity, "world": world, "rank": rank, "reserved": 0}
+    store = Store("fdp-shm", timeout=timeout)
     if not obstacle:
         try:
             _open_region(mine, size)
@@ -202,11 +207,10 @@ def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[s
             if not optional:
                 raise
             obstacle = str(e).splitlines()[0]
-    store = Store("fdp-shm", timeout=timeout)
     peers: list[mmap.mmap] = []  # the peers' regions mapped so far
     try:
         store.set(f"host/{rank}", json.dumps([capacity, _host_id(), obstacle, mine.get("path")]))
-        seen = {q: json.loads(store.get(f"host/{q}").decode()) for q in range(world)}
+        seen = {q: _record(store.get(f"host/{q}"), q) for q in range(world)}
         sizes = {q: c for q, (c, _, _, _) in seen.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(
@@ -274,10 +278,80 @@ def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[s
     return {**mine, "maps": maps}
 
 
+def _record(raw: bytes, rank: int) -> list[Any]:
+    """Rank ``rank``'s set-up record: ``[capacity, host id, obstacle, path]``."""
+    try:
+        if len(raw) > _RECORD_BYTES:
+            raise ValueError(f"{len(raw)} bytes")
+        record = json.loads(raw.decode())
+        if not (isinstance(record, list) and len(record) == 4):
+            raise ValueError(repr(record)[:80])
+    except ValueError as e:  # JSON and Unicode errors are ValueErrors
+        raise ValueError(
+            f"fdp's shared-memory set-up: rank {rank}'s record in the store is not one "
+            f"fdp wrote ({e}); does something else write under 'fdp/store/fdp-shm/'?"
+        ) from None
+    return record
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def remove_stale(directory: str = SHM_DIR) -> list[str]:
+    """Removes the regions that processes killed during a set-up left behind.
+
+    A region is unlinked as soon as every peer has mapped it, or when the set-up
+    fails; only a process killed while it waits for its peers (``SIGKILL``, a
+    signal with no handler) leaves its file, 24 KiB to 48 MiB of memory. A file is
+    stale when the pid in its name is not alive and nobody holds the lock its
+    owner takes for as long as it lives (so a process of another pid namespace,
+    sharing ``/dev/shm``, keeps its file). Best effort: errors are ignored.
+
+    Returns:
+      The paths removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(PREFIX) :].split("-", 1)[0] if name.startswith(PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while its owner lives
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.info(
+            "fdp: removed %d shared-memory file(s) of dead processes: %s", len(removed), removed
+        )
+    return removed
+
+
 def _open_region(mine: dict[str, Any], size: int) -> None:
     """Creates and maps this process's region (sparse) into ``mine``."""
-    fd, path = tempfile.mkstemp(prefix=f"fdp-shm-{os.getpid()}-", dir="/dev/shm")
+    remove_stale()
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=SHM_DIR)
     mine["fd"], mine["path"] = fd, path
+    fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: see remove_stale
     os.ftruncate(fd, size)  # sparse: pages are taken by _reserve, bucket by bucket
     mine["own"] = mmap.mmap(fd, size)
 

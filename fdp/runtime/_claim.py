@@ -12,12 +12,16 @@ starts the coordinator; every other process reads the claim before it
 registers, and refuses a coordinator of another run with an error on its own
 side, leaving that run alone. The claim lives in the temporary directory, so
 it protects a coordinator from processes on its own host (JAX offers no way to
-ask a remote coordinator anything before registering).
+ask a remote coordinator anything before registering). Process 0 removes its
+claim when it exits; claims of processes that died without removing theirs are
+removed by the next claim on this host.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import glob
 import json
 import os
 import socket
@@ -56,16 +60,50 @@ def is_local(host: str) -> bool:
     return False
 
 
+def _owner(path: str) -> int | None:
+    """The pid recorded in the claim file ``path``, or None if it cannot be read."""
+    try:
+        with open(path) as f:
+            return int(json.load(f)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def claim(port: int, run_id: str | None) -> None:
-    """Records that this process (process 0 of run ``run_id``) runs the coordinator on ``port``."""
+    """Records that this process (process 0 of run ``run_id``) runs the coordinator on ``port``.
+
+    The claim is removed when this process exits (:func:`release`); the claims of
+    dead processes on other ports are removed here.
+    """
     record = {"run_id": run_id, "pid": os.getpid()}
     path = _path(port)
+    for other in glob.glob(_path(0).replace("-0.json", "-*.json")):
+        pid = _owner(other)
+        if other != path and pid is not None and not _alive(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(other)
     # Best effort: another user's stale claim on this port may not be ours to replace.
     with contextlib.suppress(OSError):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(record, f)
         os.replace(tmp, path)
+        if path not in _held:
+            _held.append(path)
+            atexit.register(release)
+
+
+# The claims this process made (process 0 makes one).
+_held: list[str] = []
+
+
+def release() -> None:
+    """Removes this process's claims (at exit; after a failure, before ``os._exit``)."""
+    while _held:
+        path = _held.pop()
+        if _owner(path) == os.getpid():  # not a later run's claim on the same port
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def check(address: str, host: str, port: int, run_id: str | None) -> None:

@@ -15,6 +15,7 @@ import jax
 
 from fdp._compat import config_value
 from fdp._validate import MAX_TIMEOUT_MS, check_number
+from fdp.collectives import _shm
 from fdp.observe._debug import logger
 from fdp.runtime import _claim, _config, _memory
 
@@ -143,6 +144,9 @@ def init(
         logger.debug("fdp: host malloc left as it is on a GPU host (FDP_MALLOC_TUNING=1 tunes)")
     if not settings.multi_process:
         return
+    # Shared-memory files of processes killed in an earlier run's set-up (the set-up
+    # removes them too, but a run that never sets it up would leave them).
+    _shm.remove_stale()
     if config_value("jax_cpu_collectives_implementation") in (None, "none"):
         # Without it, CPU computations that span processes fail to compile.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -237,6 +241,7 @@ def _exit_on_uncaught(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
     traceback.print_exception(exc_type, exc, tb)
+    _claim.release()  # os._exit runs no atexit handler
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip atexit: JAX's shutdown barrier would wait for the peers that are
