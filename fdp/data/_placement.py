@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -62,8 +63,9 @@ def data_mesh(
       A ``jax.sharding.Mesh``.
 
     Raises:
-      ValueError: no devices; ``hosts`` does not divide the devices; or
-        ``hosts`` is given for a 1-D mesh.
+      ValueError: no devices; the processes have different numbers of
+        devices (each feeds an equal local batch); ``hosts`` does not divide
+        the devices; or ``hosts`` is given for a 1-D mesh.
 
     Example:
       >>> dict(data_mesh().shape)
@@ -75,6 +77,7 @@ def data_mesh(
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("devices must name at least one device, got an empty list.")
+    check_even_processes(devices, "data_mesh")
     if len(names) == 1:
         if hosts is not None:
             raise ValueError(
@@ -85,6 +88,27 @@ def data_mesh(
     if len(names) != 2:
         raise ValueError(f"axis_name must name one axis or two (outer, inner), got {axis_name!r}.")
     return Mesh(_host_grid(devices, hosts), names, axis_types=(axis_type,) * 2)
+
+
+def check_even_processes(devices: Any, what: str) -> None:
+    """Raises unless every process holds the same number of ``devices``.
+
+    Each process passes an equal local batch (DDP's ranks do), split over its own
+    devices; with 2 devices in one process and 1 in another, JAX fails later with
+    ``cannot reshape array of size 3 into shape (2,1)`` or ``non-uniform sharding``.
+
+    Raises:
+      ValueError: naming each process's device count.
+    """
+    counts = collections.Counter(int(d.process_index) for d in devices)
+    if len(set(counts.values())) > 1:
+        each = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise ValueError(
+            f"{what}: every process must have the same number of devices (each feeds an "
+            f"equal share of the batch to its own devices); got {each}. Start every "
+            "process with the same devices: jax_num_cpu_devices, CUDA_VISIBLE_DEVICES, "
+            "or fdp.init(local_device_ids=...)."
+        )
 
 
 def _host_grid(devices: list[Any], hosts: int | None) -> np.ndarray:
@@ -295,6 +319,8 @@ def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: AxisName = D
     """
     mesh = data_mesh() if mesh is None else mesh
     check_axis(mesh, axis_name)
+    if jax.process_count() > 1:
+        check_even_processes(mesh.devices.flat, "shard_batch")
     local_n = _local_data_size(mesh, axis_name)
     size = leading_size(batch, "shard_batch: batch")
     if size is not None and size % local_n:
