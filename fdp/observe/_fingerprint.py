@@ -1,13 +1,18 @@
-"""The DETAIL check: every process is about to run the same step, or an error says why not.
+"""Every process is about to run the same step, or an error says why not.
 
 Processes that build different steps (another bucket cap, a leaf of another
-shape, another comm hook) issue different collectives, and a mismatched
-collective usually hangs. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` all-gathers a
-fingerprint of each collective to turn that hang into an error. In fdp one
-compiled program holds every collective of a step, so one fingerprint of the
-whole step, compared once before the first step, covers them all: the settings,
-the bucket plan, every leaf's shape and dtype, the mesh, and a hash of the
-lowered program.
+shape, another comm hook or ZeRO stage) issue different collectives, and a
+mismatched collective usually hangs. ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+all-gathers a fingerprint of each collective to turn that hang into an error.
+In fdp one compiled program holds every collective of a step, so one
+fingerprint of the whole step covers them all. It is compared in two parts:
+
+- the settings (every ``StepConfig`` field, the bucket plan, every argument
+  leaf's shape and dtype), at the first call of every step at any debug level,
+  before anything that needs the processes to agree (placing a ZeRO state,
+  setting up the shared-memory all-reduce, tracing): one exchange of a hash,
+  once per step;
+- a hash of the lowered program, at ``FDP_DEBUG=DETAIL``, after the trace.
 """
 
 from __future__ import annotations
@@ -22,54 +27,74 @@ import numpy as np
 from fdp.runtime._consistency import differences, dtype_name, gather_if_different, listed
 
 CHECK_TIMEOUT = 300.0
-"""Seconds the DETAIL check waits for the other processes to reach their first step."""
+"""Seconds the DETAIL check of the program waits for the other processes."""
+
+SETTINGS_TIMEOUT = 1800.0
+"""Seconds the check of the settings waits for the other processes to reach their first
+step (host collectives' default: a late first step, loading or compiling, is no error)."""
 
 PROGRAM = "program (StableHLO sha256)"
 _SHOWN = 20  # differing fields listed in the message
 
 
-def step_fingerprint(
-    kind: str, config: Any, plan: Any, args: dict[str, Any], lowered: Any
+def settings_fingerprint(
+    kind: str, config: Any, plan: Any, args: dict[str, Any]
 ) -> dict[str, str | int | float | bool | None]:
-    """What this process is about to run, as a flat ``{field: value}`` dict.
+    """What this process is about to run, but for the program, as a flat ``{field: value}``.
 
     Args:
       kind: the step's name, e.g. ``"fdp.train_step"``.
       config: the step's bound :class:`fdp.step.StepConfig`; every setting is
         a field.
-      plan: the :class:`fdp.step.StepPlan` of this call.
+      plan: the :class:`fdp.step.StepPlan` of this call (None: no bucket fields).
       args: the step's arguments by name (``state``, ``batch``, ...); every
         array leaf gives a field ``name<key path>`` with its dtype and shape.
-      lowered: the step's lowered program; its text is hashed.
 
     Returns:
       Plain values only (str, int, float, bool, None), so that processes can
       exchange and compare them.
     """
-    buckets = plan.buckets
     fp: dict[str, Any] = {"step": kind}
     for key, value in config.describe().items():
         fp[key] = value if value is None or isinstance(value, str | int | float) else repr(value)
-    fp.update(
-        {
-            "unused parameters": repr(list(plan.usage.unused_key_paths)),
-            "buckets": len(buckets.buckets),
-            "bucket caps (bytes)": (
-                f"first {buckets.first_bucket_cap_bytes}, then {buckets.bucket_cap_bytes}"
-            ),
-            "leaves in no bucket": repr(list(buckets.excluded_key_paths)),
-        }
-    )
-    for b in buckets.buckets:
-        fp[f"bucket {b.index}"] = (
-            f"{b.dtype}, {len(b.leaf_indices)} leaf(s), {b.nbytes} bytes, "
-            f"{b.key_paths[0]} .. {b.key_paths[-1]}"
+    if plan is not None:
+        buckets = plan.buckets
+        fp.update(
+            {
+                "unused parameters": repr(list(plan.usage.unused_key_paths)),
+                "buckets": len(buckets.buckets),
+                "bucket caps (bytes)": (
+                    f"first {buckets.first_bucket_cap_bytes}, then {buckets.bucket_cap_bytes}"
+                ),
+                "leaves in no bucket": repr(list(buckets.excluded_key_paths)),
+            }
         )
+        for b in buckets.buckets:
+            fp[f"bucket {b.index}"] = (
+                f"{b.dtype}, {len(b.leaf_indices)} leaf(s), {b.nbytes} bytes, "
+                f"{b.key_paths[0]} .. {b.key_paths[-1]}"
+            )
     for name, tree in args.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
                 key = f"{name}{jax.tree_util.keystr(path)}"
                 fp[key] = f"{dtype_name(leaf)}{list(np.shape(leaf))}"
+    return fp
+
+
+def step_fingerprint(
+    kind: str, config: Any, plan: Any, args: dict[str, Any], lowered: Any
+) -> dict[str, str | int | float | bool | None]:
+    """:func:`settings_fingerprint`, and a sha256 of the lowered program's text.
+
+    Args:
+      kind: the step's name, e.g. ``"fdp.train_step"``.
+      config: the step's bound :class:`fdp.step.StepConfig`.
+      plan: the :class:`fdp.step.StepPlan` of this call.
+      args: the step's arguments by name.
+      lowered: the step's lowered program; its text is hashed.
+    """
+    fp = settings_fingerprint(kind, config, plan, args)
     fp[PROGRAM] = hashlib.sha256(lowered.as_text().encode()).hexdigest()
     return fp
 
@@ -83,8 +108,13 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-def mismatch_message(fingerprints: list[dict[str, Any]]) -> str:
-    """The error for fingerprints that differ: every differing field and its processes."""
+def mismatch_message(fingerprints: list[dict[str, Any]], *, detail: bool = True) -> str:
+    """The error for fingerprints that differ: every differing field and its processes.
+
+    Args:
+      fingerprints: every process's fingerprint, in process order.
+      detail: whether the level is ``DETAIL`` (said in the message).
+    """
     lines = differences(fingerprints, show=_show, last=(PROGRAM,))
     hint = ""
     if lines and all(line.startswith(PROGRAM) for line in lines):
@@ -92,8 +122,9 @@ def mismatch_message(fingerprints: list[dict[str, Any]]) -> str:
             "\nSettings, buckets and shapes agree but the traced programs differ: the "
             "processes run different code (loss function, model, optimizer or hook settings)."
         )
+    level = " (FDP_DEBUG=DETAIL)" if detail else ""
     return (
-        "Detected mismatch between processes before the first step (FDP_DEBUG=DETAIL); "
+        f"Detected mismatch between processes before the first step{level}; "
         "running it would hang or fail in a mismatched collective. Every process must build "
         "the same step with the same settings and shapes. Differences:\n"
         + listed(lines, _SHOWN)
@@ -130,3 +161,35 @@ def check_across_processes(fingerprint: dict[str, Any], *, timeout: float = CHEC
     if gathered is None:
         return mine
     raise RuntimeError(mismatch_message(gathered))
+
+
+def check_settings_across_processes(
+    fingerprint: dict[str, Any], *, detail: bool, timeout: float = SETTINGS_TIMEOUT
+) -> None:
+    """Compares a :func:`settings_fingerprint` with every other process's; raises if any differs.
+
+    Every step calls it at its first call, at any debug level, before it places
+    its state or traces (a shared-memory all-reduce or a ZeRO layout is set up
+    there, and processes set up differently wait for each other). One exchange
+    of a 64-character hash when the processes agree.
+
+    Args:
+      fingerprint: this process's :func:`settings_fingerprint`.
+      detail: whether the level is ``DETAIL`` (said in the message).
+      timeout: seconds to wait for the other processes' first step.
+
+    Raises:
+      RuntimeError: the settings differ; the message lists each differing field
+        with its value on each process.
+      TimeoutError: some processes did not reach their first step within ``timeout``.
+    """
+    try:
+        gathered = gather_if_different(fingerprint, timeout=timeout)
+    except TimeoutError as e:
+        raise TimeoutError(
+            f"{fingerprint.get('step', 'the step')}: every process compares the step's settings "
+            f"at its first call, but {e} Every process must call the same steps in the same "
+            "order."
+        ) from None
+    if gathered is not None:
+        raise RuntimeError(mismatch_message(gathered, detail=detail))

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
 from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
+from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._fold import fold_leading_dims
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
@@ -198,10 +199,13 @@ def reduce_step(
     keep = None
     if tracked and (plan.usage.unused or plan.usage.conditional):
         keep = tuple(untouched_flags(plan.usage, out.used, axis))
+    metrics = reduce_metrics(out.global_loss(axis), out.aux, axis, out.aux_rows)
+    if finite.enabled():  # FDP_CHECK_FINITE=1: each device's loss and gradients, tested
+        metrics[0][finite.KEY] = finite.codes(out.loss, out.grads, axis, n)
     return Reduced(
         grads,
         sync_buffers(out.carry, config.buffers, axis),
         hook_state,
         keep,
-        reduce_metrics(out.global_loss(axis), out.aux, axis, out.aux_rows),
+        metrics,
     )

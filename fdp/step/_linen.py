@@ -98,6 +98,7 @@ class DataParallelStep(StepRunner):
             stacked = cfg.per_device_state and jnp.ndim(state.step) > 0
             params = unstacked(state.params) if stacked else state.params
             buckets = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+        self._agree("init", None, state=state)
         return prepare_linen_state(cfg, state, buckets)
 
     # -- the step -------------------------------------------------------------------------
@@ -247,6 +248,7 @@ class DataParallelStep(StepRunner):
         """Runs one step: ``(state, batch[, rng][, mask]) -> (state, metrics)``."""
         _check_state(state)
         plan = self._plan(state, batch, rng, mask)
+        self._agree("call", plan, state=state, batch=batch, rng=rng, mask=mask)
         stateful = self._stateful_hook
         if stateful is None or not linen_state_ready(self.config, state, stateful):
             state = prepare_linen_state(self.config, state, plan.buckets)
@@ -257,6 +259,7 @@ class DataParallelStep(StepRunner):
         """The lowered step (``.as_text()``, ``.compile()``), without running it."""
         _check_state(state)
         plan = self._plan(state, batch, rng, mask)
+        self._agree("call", plan, state=state, batch=batch, rng=rng, mask=mask)
         state = prepare_linen_state(self.config, state, plan.buckets)
         return self._lower(plan, state, batch, rng, mask)
 

@@ -104,6 +104,7 @@ class NNXDataParallelStep(StepRunner):
         """
         _check_optimizer(optimizer)
         plan = None if batch is None else self._plan(model, optimizer, batch, None)
+        self._agree("init", plan, state=nnx.state((model, optimizer)), batch=batch)
         self._init(model, optimizer, None if plan is None else plan.buckets)
 
     def _init(
@@ -285,7 +286,9 @@ class NNXDataParallelStep(StepRunner):
             self._stateful_hook is False or hasattr(optimizer, "fdp_comm_state")
         )
         if not ready:
-            self._init(model, optimizer, self._plan(model, optimizer, batch, mask).buckets)
+            first = self._plan(model, optimizer, batch, mask)
+            self._agree("call", first, state=nnx.state((model, optimizer)), batch=batch, mask=mask)
+            self._init(model, optimizer, first.buckets)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
         plan = self._plan_for(
             (graphdef, state, batch, mask), lambda: self._plan(model, optimizer, batch, mask)

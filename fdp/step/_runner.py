@@ -8,9 +8,12 @@ from typing import Any
 import jax
 
 from fdp.bucketing import BucketPlan
+from fdp.observe._debug import DebugLevel, debug_level
+from fdp.observe._fingerprint import check_settings_across_processes, settings_fingerprint
 from fdp.observe._observer import Observer, logging_data
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
+from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._plan import StepPlan
 from fdp.step._usage import ParamUsage
@@ -61,6 +64,8 @@ class StepRunner:
         self._held: tuple[Any, Any] | None = None  # shapes of (params, opt_state), ZeRO
         self._arg_names = arg_names
         self._observer = Observer(kind, arg_names, batch_arg, stats)
+        self._agreed: set[str] = set()  # where the processes compared their settings
+        self._calls = 0  # for the numerics guard's message
 
     @property
     def config(self) -> StepConfig:
@@ -133,6 +138,32 @@ class StepRunner:
             "step(state, batch)`. (Build the step with donate=False to keep inputs alive.)"
         )
 
+    def _agree(self, at: str, plan: StepPlan | None, **args: Any) -> None:
+        """Checks, once per ``at`` (``"init"``, ``"call"``), that the processes build this alike.
+
+        Before the state is placed or the step traced, at any debug level:
+        processes with another ZeRO stage, comm hook, bucket cap, layout or leaf
+        would otherwise wait for each other in a collective (a hang), not fail.
+        One exchange of a hash; nothing with one process. At ``DETAIL`` the
+        optimizer hyper-parameters in the state (``optax.inject_hyperparams``)
+        are compared by value. Non-finite hyper-parameters are refused on any
+        number of processes.
+        """
+        if at in self._agreed:
+            return
+        hyper = finite.hyperparameters(args)
+        finite.check_hyperparameters(hyper, kind=self._kind)
+        if jax.process_count() > 1:
+            detail = debug_level() >= DebugLevel.DETAIL
+            fingerprint = settings_fingerprint(self._kind, self.config, plan, args)
+            fingerprint["at"] = at
+            # At DETAIL the program is compared too: a process at another level would wait.
+            fingerprint["FDP_DEBUG=DETAIL"] = detail
+            if detail:  # values, not shapes: torch compares neither
+                fingerprint.update({f"hyper-parameter {k}": v for k, v in hyper.items()})
+            check_settings_across_processes(fingerprint, detail=detail)
+        self._agreed.add(at)
+
     def _jit(self) -> Any:
         if self._jitted is None:
             self._jitted = jax.jit(
@@ -149,6 +180,13 @@ class StepRunner:
             out = self._observer.run(self._jit(), self.config, plan, args)
         else:
             out = self._jit()(plan, *args)
+        self._calls += 1
+        # The metrics come last; a program traced with FDP_CHECK_FINITE=1 holds the codes.
+        if isinstance(out, tuple) and isinstance(out[-1], dict) and finite.KEY in out[-1]:
+            out = (
+                *out[:-1],
+                finite.check(out[-1], kind=self._kind, call=self._calls, config=self.config),
+            )
         heartbeat.step_done()  # for fdp launch's hang detection (a no-op outside it)
         return out
 
