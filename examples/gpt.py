@@ -21,11 +21,12 @@ import argparse
 import ast
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
+import pathlib
 import sys
+import sysconfig
 import time
 from typing import Any
 
@@ -57,13 +58,15 @@ CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 @functools.cache
 def corpus() -> str:
     """The docstrings of ``MODULES``, in a fixed order (a few hundred thousand characters)."""
+    stdlib = pathlib.Path(sysconfig.get_path("stdlib"))
     docs = []
     for name in MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            continue  # a module this Python build lacks or ships compiled
-        with open(spec.origin, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
+        path = stdlib.joinpath(*name.split(".")).with_suffix(".py")
+        if not path.is_file():  # a package: its __init__.py
+            path = stdlib.joinpath(*name.split("."), "__init__.py")
+        if not path.is_file():
+            continue  # a module this Python build does not ship as source
+        tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef):
                 doc = ast.get_docstring(node)
