@@ -364,7 +364,10 @@ def nnx_train_step(
         and optimizer and keeps the fastest (:func:`fdp.tune`; docs/bucketing.md).
       first_bucket_cap_mb: cap of the first bucket (MiB).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
-      donate: donate the state's buffers to the step.
+      donate: donate the model's and optimizer's arrays to the step (``nnx.jit``
+        donates nothing by default): an array read out of the model before a
+        step (``w = model.linear.kernel[...]``) is deleted by it. Copy what you
+        keep, or pass ``False``.
       layout: ``'auto'`` (``'flat'`` on GPUs and on CPU with several processes, else
         ``'leaves'``), ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed
         bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
