@@ -151,3 +151,37 @@ def test_a_hook_without_the_plain_reduce_scatter_keeps_the_parameters_gathered()
     assert not kept_gathered(
         fdp.train_step(cross_entropy(MLP().apply), zero_stage=3)
     ).config.gathers_per_use
+
+
+class ScannedLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(16)(x)), None
+
+
+class Scanned(nn.Module):
+    """Four layers under ``nn.scan``: one stacked [4, ...] parameter per leaf."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x.reshape(x.shape[0], -1))
+        stack = nn.scan(
+            ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+        )
+        x, _ = stack()(x, None)
+        return nn.Dense(10)(x)
+
+
+def test_a_scanned_layer_stack_is_gathered_whole_and_ends_where_stage_0_does():
+    params = Scanned().init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    loss_fn = cross_entropy(Scanned().apply)
+    data = batches()
+    results = {}
+    for stage in (0, 3):
+        state = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+        results[stage], _ = train(
+            fdp.train_step(loss_fn, zero_stage=stage), fdp.replicate(state), data
+        )
+    chex.assert_trees_all_close(
+        jax.device_get(results[3].params), jax.device_get(results[0].params), atol=1e-5, rtol=1e-5
+    )
