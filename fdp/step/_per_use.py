@@ -8,36 +8,35 @@ layer's backward. PyTorch FSDP2 (``reshard_after_forward=True``) and DeepSpeed
 ZeRO-3 instead gather a layer's parameters just before it runs, free them after,
 and gather them again for its backward pass.
 
-fdp gets the same program from two JAX mechanisms, without touching the model:
+fdp's step sees a loss function of a pytree, not layers, so it finds the uses in
+the loss's traced program:
 
-- **Gathers inside the differentiated function.** The objective is called on
-  the shards; each sharded leaf is all-gathered inside it (one collective per
-  leaf: a DDP bucket of 25 MiB spans many layers). The transpose of an
-  all-gather is a reduce-scatter, so ``jax.grad`` with respect to the shards
-  hands back each gradient already summed over the data axis and cut to this
-  device's share: it leaves the backward pass as a reduce-scatter as soon as
-  its layer's backward is done, not after the whole backward pass.
-- **A remat policy that never saves a gathered value.** The objective runs
-  under ``jax.checkpoint`` with ``save_anything_except_these_names`` on the
-  gathered parameters: every activation the backward pass needs is saved as
-  usual, but a gathered parameter is not a residual, so the backward pass
-  gathers it again from the shards where it needs it. Between its forward use
-  and its backward use, a layer's parameters exist only as shards.
+- **Deferred gathers.** The objective is traced once with every sharded leaf
+  all-gathered at its start (one collective per leaf: a DDP bucket of 25 MiB
+  spans many layers). That program is run again (:func:`_interpret`) with each
+  gather left undone (:class:`_Lazy`) until an equation mixes the parameter
+  with an activation; equations on parameters alone (a transpose, a cast) stay
+  deferred, and nested ``jit`` calls are entered.
+- **A custom VJP per use** (:func:`_use`): the equation runs on the gathered
+  value, its residuals are its other inputs and the shards, never the gathered
+  parameter, so XLA frees it after the equation; the backward pass gathers it
+  again and differentiates the equation there. The shards' gradient is the
+  all-gather's transpose, a reduce-scatter: summed over the data axis, this
+  device's share, sent as soon as that layer's backward is done.
+- **Order by data**: the forward gather depends on the activation, the backward
+  one on the cotangent (:func:`_tied`), so neither runs early and XLA cannot
+  merge the two.
 
-When each gather runs is the compiler's choice: each depends on the shards only,
-and XLA's scheduler places it before its first consumer (the compiled programs
-in tests/step/test_per_use.py and the peak memory in docs/zero.md show it).
+The price: a second all-gather per leaf (the backward one), and with
+``accumulate_steps=K`` the gathers and reduce-scatters run in every micro-batch;
+the accumulated gradient is a share, ``1/N`` of stage 0's.
 
-The price: one more all-gather per leaf per micro-batch (the backward one), and
-with ``accumulate_steps=K`` the gathers and reduce-scatters run in every
-micro-batch (K times FSDP's bytes instead of once, as FSDP without
-``no_sync``); the accumulated gradient is a share, ``1/N`` of stage 0's.
-
-Limits: a layer stack under ``nn.scan``/``nnx.scan`` is one stacked parameter,
-gathered whole at its first use (all layers at once) and saved per layer by
-the scan, so a scanned model peaks as with :func:`gather_params`. Leaves kept
-whole at stage 3 (no dimension divisible by ``N``) are not gathered; their
-local gradients are all-reduced after the backward pass, bucket by bucket.
+Limits: a layer stack under ``nn.scan``/``nnx.scan`` is one stacked parameter
+used by one ``scan`` equation: gathered whole for the scan, and gathered again
+in its backward pass, where the scan's forward is recomputed. Leaves kept whole
+at stage 3 (no dimension divisible by ``N``) are not gathered; their local
+gradients are all-reduced after the backward pass, bucket by bucket
+(:func:`finish_gradients`).
 """
 
 from __future__ import annotations
@@ -162,6 +161,7 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
     for eqn in jaxpr.eqns:
         values = [read(v) for v in eqn.invars]
         lazy = [isinstance(x, _Lazy) for x in values]
+        literal = [isinstance(v, jex.Literal) for v in eqn.invars]
         if id(eqn) in gathers:
             shard = values[0]
             outs: list[Any] = [
@@ -171,10 +171,15 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
             outs = compat.bind_equation(eqn, values)
         elif (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
             outs = _interpret(inner.jaxpr, list(inner.consts), values, set())
-        elif all(lazy) and values:  # still parameters only (a transpose, a cast): stay lazy
+        elif all(z or c for z, c in zip(lazy, literal, strict=True)):
+            # Parameters (and constants) only, a transpose or a cast: still deferred.
             shards, make = _merge(values)
+            consts = [x for x, z in zip(values, lazy, strict=True) if not z]
             outs = [
-                _Lazy(shards, lambda s, k=k, e=eqn, m=make: compat.bind_equation(e, m(s, []))[k])
+                _Lazy(
+                    shards,
+                    lambda s, k=k, e=eqn, m=make, c=consts: compat.bind_equation(e, m(s, c))[k],
+                )
                 for k in range(len(eqn.outvars))
             ]
         else:
