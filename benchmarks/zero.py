@@ -16,6 +16,11 @@ On 8 simulated CPU devices, for each ZeRO stage of ``fdp.train_step`` (Adam/Adam
 3. The largest Adam transformer (width bisected, depth 4) whose compiled per-device
    footprint (arguments + outputs not aliased to them + temp) fits a budget
    (default 2 GiB), per stage.
+4. Stage 3's two modes against stage 0 and plain-``jit`` FSDP on issue 31's
+   GPT-style model (8 layers, vocabulary 8192, sequence 256, 2 sequences per
+   device, Adam), compile-only: the per-device peak (argument + output - alias +
+   temp) of each, all in the same run, and the largest width of the family that
+   fits ``--fsdp-budget-gib`` (default 1 GiB) for each.
 
     python benchmarks/zero.py --json benchmarks/results/zero.json
 """
@@ -219,6 +224,100 @@ def largest_in_budget(budget: int, budget_model: dict) -> dict[int, dict]:
     return out
 
 
+# -- stage 3's modes against plain jit FSDP (issue 31) ------------------------------------
+
+FSDP_MODES = ("stage 0", "stage 3, kept gathered", "stage 3, gathered per use", "plain jit FSDP")
+
+
+def fdp_step(bench, mode: str):
+    """fdp's step for ``mode``; "kept gathered" is the internal reshard_after_forward=False."""
+    import dataclasses
+
+    import fdp
+
+    step = fdp.train_step(bench.loss_fn, zero_stage=0 if mode == "stage 0" else 3)
+    if mode == "stage 3, kept gathered":
+        step._config = dataclasses.replace(step._config, reshard_after_forward=False)
+    return step
+
+
+def plain_fsdp_memory(bench, abstract, batch_rows: int, mesh) -> dict[str, int]:
+    """Plain ``jit``: parameters and Adam state sharded over 'data' (XLA SPMD), no fdp."""
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tx = bench.tx()
+    sharded = with_shardings(abstract, 3, mesh)
+    params, opt_state = sharded.params, sharded.opt_state
+    rows = jax.ShapeDtypeStruct(
+        (batch_rows, bench.make_batch(1, 0)["x"].shape[1]),
+        jax.numpy.int32,
+        sharding=NamedSharding(mesh, P("data")),
+    )
+    batch = {"x": rows, "y": rows}
+    shard = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+
+    def step(params, opt_state, batch):
+        grads = jax.grad(bench.loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    jitted = jax.jit(step, out_shardings=shard, donate_argnums=(0, 1))
+    return compiled_memory_of(jitted.lower(params, opt_state, batch))
+
+
+def compiled_memory_of(lowered) -> dict[str, int]:
+    mem = lowered.compile().memory_analysis()
+    return {
+        "argument": int(mem.argument_size_in_bytes),
+        "output": int(mem.output_size_in_bytes),
+        "alias": int(mem.alias_size_in_bytes),
+        "temp": int(mem.temp_size_in_bytes),
+        "footprint": int(
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        ),
+    }
+
+
+def fsdp_memory(dim: int, mode: str, family: dict) -> tuple[dict[str, int], int]:
+    """(compiled memory, parameter count) of ``mode`` on the family member of width ``dim``."""
+    from _models import param_count
+
+    import fdp
+
+    bench = bench_for(dim, family["depth"], family["vocab"], family["seq"])
+    abstract = abstract_state(bench, bench.tx())
+    mesh = fdp.data_mesh()
+    rows = family["per_device"] * len(mesh.devices.flat)
+    if mode == "plain jit FSDP":
+        return plain_fsdp_memory(bench, abstract, rows, mesh), param_count(abstract.params)
+    stage = 0 if mode == "stage 0" else 3
+    batch = fdp.shard_batch(bench.make_batch(rows, 0))
+    step = fdp_step(bench, mode)
+    mem = compiled_memory_of(step.lower(with_shardings(abstract, stage, mesh), batch))
+    return mem, param_count(abstract.params)
+
+
+def largest_width(mode: str, budget: int, family: dict) -> dict:
+    lo, hi, best = 1, 48, None  # width = 64 * k
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        mem, params = fsdp_memory(64 * mid, mode, family)
+        if mem["footprint"] <= budget:
+            best, lo = (
+                {"dim": 64 * mid, "params": params, "footprint_bytes": mem["footprint"]},
+                mid + 1,
+            )
+        else:
+            hi = mid - 1
+    assert best is not None, f"nothing fits {budget} bytes: {mode}"
+    return best
+
+
 def mib(x: float) -> str:
     return f"{x / 2**20:,.1f}"
 
@@ -251,6 +350,10 @@ def main() -> None:
     parser.add_argument("--large-vocab", type=int, default=16384)
     parser.add_argument("--budget-gib", type=float, default=2.0)
     parser.add_argument("--skip-budget", action="store_true")
+    parser.add_argument("--fsdp-dim", type=int, default=512, help="width of the GPT of part 4")
+    parser.add_argument("--fsdp-budget-gib", type=float, default=1.0)
+    parser.add_argument("--only-fsdp", action="store_true", help="run part 4 only")
+    parser.add_argument("--skip-fsdp-budget", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     setup_devices(args.devices)
@@ -267,6 +370,12 @@ def main() -> None:
         "fdp": fdp.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {n} simulated CPU devices",
     }
+    results["fsdp"] = fsdp_part(args)
+    if args.only_fsdp:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     for key, bench, materialise in (("transformer", small, True), ("large", large, False)):
         params = param_count(jax.eval_shape(lambda b=bench: b.init_params(0)))
         rows = memory_rows(bench, args.batch, materialise, n)
@@ -300,6 +409,35 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def fsdp_part(args) -> dict:
+    family = {"depth": 8, "vocab": 8192, "seq": 256, "per_device": 2}
+    out: dict = {"family": family, "dim": args.fsdp_dim, "modes": {}}
+    print(
+        f"\nGPT d{args.fsdp_dim} x{family['depth']} v{family['vocab']} s{family['seq']}, "
+        f"{family['per_device']} sequences per device, Adam, {args.devices} devices, "
+        "compile-only; MiB per device"
+    )
+    head = ("mode", "params", "argument", "output", "alias", "temp", "peak")
+    print(f"{head[0]:<27}" + "".join(f"{h:>10}" for h in head[1:]))
+    for mode in progress(FSDP_MODES, "modes"):
+        mem, params = fsdp_memory(args.fsdp_dim, mode, family)
+        out["modes"][mode] = {"params": params, "compiled": mem}
+        cells = [mem[k] for k in ("argument", "output", "alias", "temp", "footprint")]
+        print(f"{mode:<27}{params / 1e6:>9.1f}M" + "".join(f"{mib(c):>10}" for c in cells))
+    if not args.skip_fsdp_budget:
+        budget = int(args.fsdp_budget_gib * 2**30)
+        out["budget"] = {"bytes": budget, "modes": {}}
+        print(f"\nLargest width (steps of 64) whose peak fits {args.fsdp_budget_gib:g} GiB/device")
+        for mode in progress(FSDP_MODES, "budget"):
+            best = largest_width(mode, budget, family)
+            out["budget"]["modes"][mode] = best
+            print(
+                f"{mode:<27} width {best['dim']:>5}  {best['params'] / 1e6:>7.1f}M parameters  "
+                f"peak {mib(best['footprint_bytes'])} MiB"
+            )
+    return out
 
 
 if __name__ == "__main__":

@@ -92,6 +92,11 @@ def is_default(hook: CommHook) -> bool:
     return hook.reduce is _default_reduce
 
 
+def is_mean_reduce_scatter(scatter: ReduceFn | None) -> bool:
+    """Whether ``scatter`` is the plain mean reduce-scatter (of :func:`allreduce`)."""
+    return scatter is _scatter(None)
+
+
 def _noop_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
     return list(bucket.gradients), state
 

@@ -67,7 +67,8 @@ def check_not_reduced(leaves: list[Any], plan: BucketPlan, axis_name: AxisName) 
                 )
 
 
-def _no_gradient(plan: BucketPlan, i: int, dim: int | None, n: int) -> Any:
+def no_gradient(plan: BucketPlan, i: int, dim: int | None, n: int) -> Any:
+    """What leaf ``i`` of ``plan`` gets when it is in no bucket (its share with ``dim``)."""
     shape, dtype = plan.leaf_shapes[i], plan.leaf_dtypes[i]
     if dim is not None:
         shape = tuple(s // n if k == dim else s for k, s in enumerate(shape))
@@ -133,7 +134,7 @@ def reduce_with_hook(
     dims = shard_dims if shard_dims is not None else (None,) * len(leaves)
     # Leaves in no bucket get no gradient: zeros (float0 for integer leaves, as
     # jax.grad gives them), constants and so replicated by nature.
-    out = [_no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
+    out = [no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
     last = len(plan.buckets) - 1
     # Shared-memory sums (comm_hook='shm_allreduce') run in bucket order on every process.
     with _shm.ordered(largest=max((b.nbytes for b in plan.buckets), default=0)):

@@ -18,7 +18,7 @@ from fdp.bucketing import cap_limits
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.hooks import CommHook, ModelAverager, resolve
-from fdp.hooks._basic import is_default
+from fdp.hooks._basic import is_default, is_mean_reduce_scatter
 from fdp.hooks._contract import Layout, reduce_scatter_of
 from fdp.hooks._diloco import DiLoCo
 from fdp.hooks._reduce_dtype import reduce_in
@@ -104,6 +104,13 @@ class StepConfig:
         transposes the gradient in memory otherwise). ``None`` (default): on
         when the mesh's devices are CPUs. The values are the same products;
         the weight gradients' summation order may differ (float rounding).
+      reshard_after_forward: ZeRO stage 3 only (internal, not yet a
+        :func:`fdp.train_step` keyword): ``True`` (default) gathers each bucket of
+        parameters where the forward pass uses it, frees it, and gathers it
+        again for the backward pass (:mod:`fdp.step._per_use`); ``False``
+        gathers every bucket at the start of the step and keeps them until the
+        backward pass is done (FSDP2's ``reshard_after_forward=False``: one
+        gather per bucket, stage 1's peak memory).
 
     Example:
       >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
@@ -138,6 +145,7 @@ class StepConfig:
     reduce_dtype: Any = None
     gather_aux: bool | Callable[[str], bool] = True
     fold_dots: bool | None = None
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_name, list):  # a list reads as the tuple it means
@@ -152,6 +160,10 @@ class StepConfig:
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}."
+            )
         if self.fold_dots is not None and not isinstance(self.fold_dots, bool):
             raise TypeError(f"fold_dots must be True, False or None, got {self.fold_dots!r}.")
         object.__setattr__(self, "comm_hook", resolve(self.comm_hook))
@@ -408,6 +420,21 @@ class StepConfig:
         if self.zero_stage >= 2:
             return True
         return self.zero_stage == 1 and reduce_scatter_of(self.comm_hook) is not None
+
+    @property
+    def gathers_per_use(self) -> bool:
+        """Whether stage 3 gathers each bucket where it is used (:mod:`fdp.step._per_use`).
+
+        Needs the default mean reduce-scatter (the plain or default all-reduce
+        hook): the gradient leaves the backward pass as the all-gather's
+        transpose, a plain sum, with no hook to run. Other hooks gather every
+        bucket at the start of the step, as ``reshard_after_forward=False`` does.
+        """
+        return (
+            self.zero_stage >= 3
+            and self.reshard_after_forward
+            and is_mean_reduce_scatter(reduce_scatter_of(self.hook))
+        )
 
     @property
     def compiler_options(self) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._fold import fold_leading_dims
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
+from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
 from fdp.step._usage import untouched_flags
 from fdp.step._zero import bucket_shard_dims, gather_params
@@ -169,10 +170,15 @@ def reduce_step(
     axis = config.axis_name
     tracked = config.find_unused_parameters
     n = config.num_replicas
-    if config.zero_stage >= 3:
+    objective = fold_leading_dims(objective) if config.fold_dots else objective
+    per_use = config.gathers_per_use
+    dims = bucket_shard_dims(plan.buckets, n)
+    if per_use:  # gathered inside the forward and again in the backward pass
+        objective = per_use_objective(objective, dims, axis)
+    elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(params, plan.buckets, axis, n)
     out = local_gradients(
-        fold_leading_dims(objective) if config.fold_dots else objective,
+        objective,
         vary(params, axis),
         batch,
         buffers,
@@ -186,16 +192,19 @@ def reduce_step(
         track=plan.usage.conditional if tracked else (),
         gather_aux=config.gather_aux,
     )
-    grads, hook_state = reduce_with_hook(
-        config.hook,
-        hook_state,
-        out.grads,
-        axis_name=axis,
-        plan=plan.buckets,
-        layout=config.bound_layout,
-        params=params,
-        shard_dims=bucket_shard_dims(plan.buckets, n) if config.scatters_gradients else None,
-    )
+    if per_use:  # reduce-scattered in the backward pass already
+        grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
+    else:
+        grads, hook_state = reduce_with_hook(
+            config.hook,
+            hook_state,
+            out.grads,
+            axis_name=axis,
+            plan=plan.buckets,
+            layout=config.bound_layout,
+            params=params,
+            shard_dims=dims if config.scatters_gradients else None,
+        )
     keep = None
     if tracked and (plan.usage.unused or plan.usage.conditional):
         keep = tuple(untouched_flags(plan.usage, out.used, axis))

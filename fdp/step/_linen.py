@@ -366,7 +366,8 @@ def train_step(
         ``0`` DDP (everything whole on every device); ``1`` the optimizer state;
         ``2`` also the reduced gradients (each bucket is reduce-scattered);
         ``3`` also the parameters, which stay sharded between steps and are
-        gathered bucket by bucket at the start of each. The parameters after
+        gathered in the step where the forward pass uses them and again where
+        the backward pass does (docs/zero.md). The parameters after
         each step equal stage 0's. See docs/zero.md.
       hierarchical: with ``axis_name=(outer, inner)`` on a host x device mesh,
         reduce each bucket in two levels: reduce-scatter inside hosts,

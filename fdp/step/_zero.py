@@ -16,7 +16,8 @@ so every transform keeps its meaning.
 
 Stages (DeepSpeed's): 1 shards the optimizer state; 2 also the reduced
 gradients (each bucket is reduce-scattered); 3 also the parameters between
-steps (gathered bucket by bucket at the start of a step). Stage 1 reduce-scatters
+steps (gathered where they are used: :mod:`fdp.step._per_use`; or bucket by bucket
+at the start of a step, :func:`gather_params`). Stage 1 reduce-scatters
 too when the comm hook can (the default can): the update reads only each
 device's share, and a reduce-scatter plus the all-gather of the new parameters
 move the bytes of DDP's all-reduce. With a hook that needs whole gradients

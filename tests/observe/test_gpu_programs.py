@@ -9,6 +9,8 @@ collective out of the micro-batch loop and overlaps the reductions with the last
 micro-batch's backward products.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -55,8 +57,10 @@ def abstract_inputs(mesh, rows=64):
     return state, batch
 
 
-def compile_step(mesh, **settings):
+def compile_step(mesh, kept_gathered=False, **settings):
     step = fdp.train_step(loss_fn, mesh=mesh, **CAPS, **settings)
+    if kept_gathered:  # stage 3's internal reshard_after_forward=False: one gather per bucket
+        step._config = dataclasses.replace(step._config, reshard_after_forward=False)
     compiled = step.lower(*abstract_inputs(mesh)).compile()
     return step, compiled
 
@@ -68,7 +72,11 @@ def test_each_bucket_is_one_collective_of_the_gpu_program(
     gpu_mesh, zero_stage, comm_hook, accumulate_steps
 ):
     step, compiled = compile_step(
-        gpu_mesh, zero_stage=zero_stage, comm_hook=comm_hook, accumulate_steps=accumulate_steps
+        gpu_mesh,
+        zero_stage=zero_stage,
+        comm_hook=comm_hook,
+        accumulate_steps=accumulate_steps,
+        kept_gathered=True,  # per-use gathers reduce-scatter per leaf, in the backward pass
     )
     plan = step.plan
     assert step.config.bound_layout == "flat"  # the GPU default

@@ -1,0 +1,258 @@
+"""ZeRO stage 3 with parameters gathered where they are used, and freed after.
+
+At stage 3 each device holds ``1/N`` of every shardable parameter between steps.
+Gathering all of them at the start of the step and keeping them for the backward
+pass (:func:`fdp.step._zero.gather_params`) peaks as high as stage 1: every
+parameter is whole on every device from the first layer's forward to the last
+layer's backward. PyTorch FSDP2 (``reshard_after_forward=True``) and DeepSpeed
+ZeRO-3 instead gather a layer's parameters just before it runs, free them after,
+and gather them again for its backward pass.
+
+fdp's step sees a loss function of a pytree, not layers, so it finds the uses in
+the loss's traced program:
+
+- **Deferred gathers.** The objective is traced once with every sharded leaf
+  all-gathered at its start (one collective per leaf: a DDP bucket of 25 MiB
+  spans many layers). That program is run again (:func:`_interpret`) with each
+  gather left undone (:class:`_Lazy`) until an equation mixes the parameter
+  with an activation; equations on parameters alone (a transpose, a cast) stay
+  deferred, and nested ``jit`` calls are entered.
+- **A custom VJP per use** (:func:`_use`): the equation runs on the gathered
+  value, its residuals are its other inputs and the shards, never the gathered
+  parameter, so XLA frees it after the equation; the backward pass gathers it
+  again and differentiates the equation there. The shards' gradient is the
+  all-gather's transpose, a reduce-scatter: summed over the data axis, this
+  device's share, sent as soon as that layer's backward is done.
+- **Order by data**: the forward gather depends on the activation, the backward
+  one on the cotangent (:func:`_tied`), so neither runs early and XLA cannot
+  merge the two.
+
+The price: a second all-gather per leaf (the backward one), and with
+``accumulate_steps=K`` the gathers and reduce-scatters run in every micro-batch;
+the accumulated gradient is a share, ``1/N`` of stage 0's.
+
+Limits: a layer stack under ``nn.scan``/``nnx.scan`` is one stacked parameter
+used by one ``scan`` equation: gathered whole for the scan, and gathered again
+in its backward pass, where the scan's forward is recomputed. Leaves kept whole
+at stage 3 (no dimension divisible by ``N``) are not gathered; their local
+gradients are all-reduced after the backward pass, bucket by bucket
+(:func:`finish_gradients`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+from fdp import _compat as compat
+from fdp.bucketing import BucketPlan
+from fdp.collectives._axis import AxisName
+from fdp.hooks._bucketed import no_gradient
+from fdp.hooks._contract import mean_all_reduce
+from fdp.step._local_grads import Objective
+from fdp.step._zero import gather
+
+
+class _Lazy:
+    """A value computed from parameter shards alone: where it is, nothing is gathered yet.
+
+    ``shards`` are the shard values it needs and ``make(shards)`` computes it
+    (all-gathers included); it is materialised only inside the custom VJP of
+    the equation that mixes it with an activation.
+    """
+
+    def __init__(self, shards: tuple[Any, ...], make: Any) -> None:
+        self.shards = shards
+        self.make = make
+
+
+def _merge(values: list[Any]) -> tuple[tuple[Any, ...], Any]:
+    """The shards that the lazy ``values`` need, and a function making all of ``values``."""
+    shards: list[Any] = []
+    spans = []
+    for v in values:
+        if isinstance(v, _Lazy):
+            spans.append((len(shards), len(v.shards)))
+            shards.extend(v.shards)
+        else:
+            spans.append(None)
+
+    def make(args: tuple[Any, ...], others: list[Any]) -> list[Any]:
+        it = iter(others)
+        return [
+            next(it) if span is None else v.make(args[span[0] : span[0] + span[1]])
+            for v, span in zip(values, spans, strict=True)
+        ]
+
+    return tuple(shards), make
+
+
+def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
+    """``shards`` made to depend on ``to`` (a pytree of arrays), values unchanged.
+
+    Adds ``0 * t`` for one element ``t`` of ``to``: the gather of the result
+    cannot start before ``to`` exists, and is not the same computation as the
+    gather of the bare shard. An optimization barrier says the same on GPU, but
+    XLA:CPU removes barriers before common-subexpression elimination, which
+    then merges the backward pass's gathers into the forward pass's (every
+    parameter whole from the first layer to the last: stage 1's peak).
+    """
+    token = next(
+        (
+            x
+            for x in jax.tree.leaves(to)
+            if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.number)
+        ),
+        None,
+    )
+    if token is None:
+        return shards
+    zero = jnp.ravel(token)[0] * 0
+    return tuple(
+        s + zero.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else s for s in shards
+    )
+
+
+def _use(eqn: Any, values: list[Any]) -> list[Any]:
+    """``eqn`` on ``values``, some lazy: gathered just before it, again in its backward.
+
+    A custom VJP whose residuals are the equation's other inputs and the shards,
+    never the gathered parameters: the forward gather waits for the other inputs,
+    the backward one for the cotangent (:func:`_tied`), and the gradient of the
+    shards is the all-gather's transpose, a reduce-scatter.
+    """
+    shards, make = _merge(values)
+    others = [v for v in values if not isinstance(v, _Lazy)]
+
+    def apply(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
+        return compat.bind_equation(eqn, make(shards, others))
+
+    @jax.custom_vjp
+    def run(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
+        return apply(others, shards)
+
+    def fwd(others: list[Any], shards: tuple[Any, ...]) -> tuple[list[Any], Any]:
+        return apply(others, _tied(shards, others)), (others, shards)
+
+    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
+        others, shards = res
+        _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, ct)), others, shards)
+        return vjp(ct)
+
+    run.defvjp(fwd, bwd)
+    return run(others, shards)
+
+
+def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]) -> list[Any]:
+    """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        lazy = [isinstance(x, _Lazy) for x in values]
+        literal = [isinstance(v, jex.Literal) for v in eqn.invars]
+        if id(eqn) in gathers:
+            shard = values[0]
+            outs: list[Any] = [
+                _Lazy((shard,), lambda s, e=eqn: compat.bind_equation(e, list(s))[0])
+            ]
+        elif not any(lazy):
+            outs = compat.bind_equation(eqn, values)
+        elif (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
+            outs = _interpret(inner.jaxpr, list(inner.consts), values, set())
+        elif all(z or c for z, c in zip(lazy, literal, strict=True)):
+            # Parameters (and constants) only, a transpose or a cast: still deferred.
+            shards, make = _merge(values)
+            consts = [x for x, z in zip(values, lazy, strict=True) if not z]
+            outs = [
+                _Lazy(
+                    shards,
+                    lambda s, k=k, e=eqn, m=make, c=consts: compat.bind_equation(e, m(s, c))[k],
+                )
+                for k in range(len(eqn.outvars))
+            ]
+        else:
+            outs = _use(eqn, values)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    result = [read(v) for v in jaxpr.outvars]
+    # A parameter returned as it is (in aux): made whole here.
+    return [x.make(x.shards) if isinstance(x, _Lazy) else x for x in result]
+
+
+def per_use_objective(
+    objective: Objective, dims: Sequence[int | None], axis_name: AxisName
+) -> Objective:
+    """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
+
+    The objective is traced once with every sharded leaf gathered at its start;
+    the traced program is then run again with those gathers deferred to the
+    equations that use their results (:func:`_use`). Its gradient with respect
+    to a sharded leaf is the *sum* over the data axis of the local gradients,
+    this device's share; :func:`finish_gradients` makes it the mean.
+    """
+
+    def traced(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
+        leaves, treedef = jax.tree.flatten(shards)
+        whole = [
+            x if d is None else gather([x], [d], axis_name)[0]
+            for x, d in zip(leaves, dims, strict=True)
+        ]
+        loss, aux, new_carry = objective(jax.tree.unflatten(treedef, whole), micro, carry, key)
+        return loss, jax.tree.map(jnp.asarray, aux), new_carry
+
+    def run(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
+        args = (shards, micro, carry, key)
+        closed, shape = jax.make_jaxpr(traced, return_shape=True)(*args)
+        jaxpr = closed.jaxpr
+        flat = jax.tree.leaves(args)
+        sharded = {v for v, d in zip(jaxpr.invars, dims, strict=False) if d is not None}
+        # The gathers `traced` made: all-gathers of the sharded leaves themselves.
+        gathers = {
+            id(e)
+            for e in jaxpr.eqns
+            if e.primitive.name == "all_gather"
+            and not isinstance(e.invars[0], jex.Literal)
+            and e.invars[0] in sharded
+        }
+        outs = _interpret(jaxpr, list(closed.consts), flat, gathers)
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run
+
+
+def finish_gradients(
+    grads: Any, plan: BucketPlan, dims: Sequence[int | None], axis_name: AxisName, n: int
+) -> Any:
+    """The mean gradients, as the default hook's reduce-scatter gives them at stage 3.
+
+    ``grads`` holds, per sharded leaf, this device's share of the sum over the
+    data axis (reduce-scattered in the backward pass), and per leaf kept whole,
+    this device's local gradient. Shares are divided by ``n`` (after the sum,
+    where the hook divides before: the same values for ``n`` a power of two);
+    whole leaves are all-reduced (mean) bucket by bucket; leaves in no bucket
+    get zeros, as :func:`fdp.hooks.reduce_with_hook` gives them.
+    """
+    leaves, treedef = jax.tree.flatten(grads)
+    out = [no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
+    for bucket in plan.buckets:
+        whole = [i for i in bucket.leaf_indices if dims[i] is None]
+        with jax.named_scope(f"fdp_bucket_{bucket.index}"):
+            reduced = mean_all_reduce([leaves[i] for i in whole], axis_name)
+            for i, x in zip(whole, reduced, strict=True):
+                out[i] = x
+            for i in bucket.leaf_indices:
+                if dims[i] is not None:
+                    out[i] = leaves[i] / jnp.asarray(n, leaves[i].dtype)
+    return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,187 @@
+"""ZeRO stage 3 gathering each parameter where it is used (fdp/step/_per_use.py).
+
+Stage 0 (DDP) is the reference: stage 3 must end where it does, whichever way it
+gathers. The compiled program must gather in the forward and again in the backward
+pass, and its peak must stay below the whole parameters plus their gradients.
+"""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import MLP, cross_entropy
+from flax import nnx
+from test_zero import (
+    OPTIMIZERS,
+    BNNet,
+    NNXNet,
+    batches,
+    bn_loss,
+    kept_gathered,
+    mlp_state,
+    nnx_loss,
+    train,
+)
+
+import fdp
+from fdp.observe._hlo import collective_stats, loop_collectives
+
+
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam", "adamw_decay_mask"])
+def test_linen_stage_3_per_use_ends_where_stage_0_does(opt):
+    data = batches()
+    loss_fn = cross_entropy(MLP().apply)
+    ref, ref_metrics = train(
+        fdp.train_step(loss_fn), fdp.replicate(mlp_state(OPTIMIZERS[opt]())), data
+    )
+    step = fdp.train_step(loss_fn, zero_stage=3)
+    assert step.config.gathers_per_use
+    state, metrics = train(step, fdp.replicate(mlp_state(OPTIMIZERS[opt]())), data)
+    chex.assert_trees_all_close(
+        jax.device_get(state.params), jax.device_get(ref.params), atol=2e-6, rtol=1e-5
+    )
+    chex.assert_trees_all_close(
+        jax.device_get(state.opt_state), jax.device_get(ref.opt_state), atol=2e-6, rtol=1e-5
+    )
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6)
+    # Still a share between steps: the kernels are split, the 10-float head bias is whole.
+    assert not state.params["Dense_0"]["kernel"].sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adamw_decay_mask"])
+def test_nnx_stage_3_per_use_ends_where_stage_0_does(opt):
+    data = batches()
+    results = {}
+    for stage in (0, 3):
+        model = NNXNet(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, OPTIMIZERS[opt](), wrt=nnx.Param)
+        step = fdp.nnx_train_step(nnx_loss, zero_stage=stage)
+        for batch in data:
+            metrics = step(model, optimizer, fdp.shard_batch(batch))
+        assert step.config.gathers_per_use == (stage == 3)
+        results[stage] = jax.device_get(nnx.state(model)), float(metrics["loss"])
+    # BatchNorm's gradient cancels: the backward pass's different fusion (the remat)
+    # rounds differently, ~1e-7 of the gradient; AdamW amplifies near-zero entries.
+    chex.assert_trees_all_close(results[3][0], results[0][0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(results[3][1], results[0][1], rtol=1e-6)
+
+
+def test_accumulation_unused_parameters_and_buffers_with_per_use_gathers():
+    def state():
+        variables = BNNet().init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
+        return fdp.TrainState.create(
+            apply_fn=None,
+            params=variables["params"],
+            batch_stats=variables["batch_stats"],
+            tx=optax.sgd(0.1, momentum=0.9),
+        )
+
+    data = batches(2)
+    settings = dict(accumulate_steps=2, find_unused_parameters=True, buffers="mean")
+    ref, _ = train(fdp.train_step(bn_loss, **settings), fdp.replicate(state()), data)
+    step = fdp.train_step(bn_loss, zero_stage=3, **settings)
+    got, _ = train(step, fdp.replicate(state()), data)
+    chex.assert_trees_all_close(
+        jax.device_get((got.params, got.batch_stats)),
+        jax.device_get((ref.params, ref.batch_stats)),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    np.testing.assert_array_equal(np.asarray(got.params["unused"]), np.ones((8, 2)))
+    assert not np.any(np.asarray(got.opt_state[0].trace["unused"]))
+    # The price of accumulating: every micro-batch gathers and reduce-scatters.
+    lowered = step.lower(got, fdp.shard_batch(data[0]))
+    loop = loop_collectives(lowered)
+    assert loop.count("all-gather") >= 2 and loop.count("reduce-scatter") >= 1
+
+
+class Deep(nn.Module):
+    """Eight 256 x 256 layers: the parameters dwarf the activations of a small batch."""
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(8):
+            x = jnp.tanh(nn.Dense(256, use_bias=False)(x))
+        return x
+
+
+def deep_loss(params, batch):
+    return jnp.mean((Deep().apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+
+def test_the_compiled_program_gathers_per_use_and_never_holds_every_parameter():
+    params = Deep().init(jax.random.key(0), jnp.zeros((1, 256)))["params"]
+    state = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    rng = np.random.default_rng(0)
+    batch = fdp.shard_batch(
+        {"x": rng.normal(size=(16, 256)).astype("f4"), "y": rng.normal(size=(16, 256)).astype("f4")}
+    )
+    whole = sum(x.nbytes for x in jax.tree.leaves(params))  # 8 x 256 KiB
+    per_use = fdp.train_step(deep_loss, zero_stage=3)
+    kept = kept_gathered(fdp.train_step(deep_loss, zero_stage=3))
+    programs = {
+        name: step.lower(fdp.replicate(state), batch).compile()
+        for name, step in (("per_use", per_use), ("kept", kept))
+    }
+    stats = {name: collective_stats(p) for name, p in programs.items()}
+    temp = {name: p.memory_analysis().temp_size_in_bytes for name, p in programs.items()}
+    # Per use: each kernel gathered for the forward pass and again for the backward
+    # pass (the remat never saves it), its gradient reduce-scattered.
+    # (XLA may merge the last layer's two gathers: its backward follows its forward.)
+    assert 2 * whole - whole // 8 <= stats["per_use"].nbytes("all-gather") <= 2 * whole
+    assert stats["per_use"].nbytes("reduce-scatter") == whole // 8
+    assert stats["kept"].nbytes("all-gather") == whole
+    # Kept gathered: the whole parameters live through the backward pass, with the
+    # whole local gradients. Per use: never all at once (a few layers at a time).
+    assert temp["kept"] >= whole
+    assert temp["per_use"] < whole // 2
+
+
+def test_reshard_after_forward_must_be_a_bool():
+    with pytest.raises(TypeError, match="reshard_after_forward must be True or False, got 1"):
+        fdp.step._config.StepConfig(reshard_after_forward=1)
+
+
+def test_a_hook_without_the_plain_reduce_scatter_keeps_the_parameters_gathered():
+    step = fdp.train_step(cross_entropy(MLP().apply), zero_stage=3, comm_hook="bf16_compress")
+    assert not step.config.gathers_per_use
+    assert not kept_gathered(
+        fdp.train_step(cross_entropy(MLP().apply), zero_stage=3)
+    ).config.gathers_per_use
+
+
+class ScannedLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(16)(x)), None
+
+
+class Scanned(nn.Module):
+    """Four layers under ``nn.scan``: one stacked [4, ...] parameter per leaf."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x.reshape(x.shape[0], -1))
+        stack = nn.scan(
+            ScannedLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+        )
+        x, _ = stack()(x, None)
+        return nn.Dense(10)(x)
+
+
+def test_a_scanned_layer_stack_is_gathered_whole_and_ends_where_stage_0_does():
+    params = Scanned().init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    loss_fn = cross_entropy(Scanned().apply)
+    data = batches()
+    results = {}
+    for stage in (0, 3):
+        state = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+        results[stage], _ = train(
+            fdp.train_step(loss_fn, zero_stage=stage), fdp.replicate(state), data
+        )
+    chex.assert_trees_all_close(
+        jax.device_get(results[3].params), jax.device_get(results[0].params), atol=1e-5, rtol=1e-5
+    )
