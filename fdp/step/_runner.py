@@ -58,6 +58,7 @@ class StepRunner:
         self._jitted: Any = None
         self._last_plan: StepPlan | None = None
         self._plans: dict[Any, StepPlan] = {}
+        self._ran: set[StepPlan] = set()  # plans called once: compiled (for the heartbeat)
         self._held: tuple[Any, Any] | None = None  # shapes of (params, opt_state), ZeRO
         self._arg_names = arg_names
         self._observer = Observer(kind, arg_names, batch_arg, stats)
@@ -145,11 +146,19 @@ class StepRunner:
 
     def _run(self, plan: StepPlan, *args: Any) -> Any:
         self._last_plan = plan
+        # For fdp launch's hang detection (no-ops outside it): where this process is, and
+        # whether this call traces and compiles, which never counts as a hang.
+        compiling = plan not in self._ran
+        heartbeat.step_entered(compiling=compiling)
         if self._observer.on:
             out = self._observer.run(self._jit(), self.config, plan, args)
         else:
             out = self._jit()(plan, *args)
-        heartbeat.step_done()  # for fdp launch's hang detection (a no-op outside it)
+        if compiling:
+            if len(self._ran) >= 64:  # as _plans: new shapes every call keep memory bounded
+                self._ran.clear()
+            self._ran.add(plan)
+        heartbeat.step_done()
         return out
 
     def _lower(self, plan: StepPlan, *args: Any) -> Any:
