@@ -84,7 +84,7 @@ class _Watched:
 
     @property
     def compiling(self) -> bool:
-        return self.beat.inside and self.beat.compiling
+        return self.beat.compiling and not self.beat.exiting
 
 
 def process_state(pid: int) -> str:
@@ -97,17 +97,30 @@ def process_state(pid: int) -> str:
 
 
 def _waits_for(peer: Beat, beat: Beat) -> bool:
-    """Whether a worker at ``peer`` waits for one at ``beat``: it is past it, or waiting in a step.
+    """Whether a worker at ``peer`` waits for one at ``beat``.
 
-    A peer that finished a step the other has not entered waits for it in that
-    step's collective; so does one inside such a step, unless it is still
-    compiling it (and not waiting for its peers there, e.g. at a store key).
+    It does when it finished a step the other has not entered (it waits in that
+    step's collective); when it is inside such a step, unless still compiling it
+    without waiting for its peers there (e.g. at a store key); and when it waits
+    for its peers outside the compiled program (a store key, a host collective)
+    no later than the other, which neither waits nor compiles.
     """
     if peer.exiting:
         return False
     if peer.finished > beat.entered:
         return True
-    return peer.entered > beat.entered and (not peer.compiling or bool(peer.waiting))
+    if peer.entered > beat.entered and (not peer.compiling or bool(peer.waiting)):
+        return True
+    return (
+        bool(peer.waiting)
+        and not (beat.waiting or beat.compiling or beat.exiting)
+        and (peer.entered, peer.finished) >= (beat.entered, beat.finished)
+    )
+
+
+def _ahead(peer: Beat, beat: Beat) -> bool:
+    """Whether ``peer`` is past ``beat`` in steps: it finished or entered a step beyond."""
+    return peer.finished > beat.entered or peer.entered > beat.entered
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>\S+)')
@@ -185,10 +198,9 @@ class Watchdog:
         for w in live:
             beat = read(w.heartbeat)
             if beat is not None:
-                if (beat.entered, beat.finished) != (w.beat.entered, w.beat.finished):
+                if beat != w.beat:  # any record written counts: it moved
                     w.changed = now
-                    if beat.entered != w.beat.entered:
-                        w.behind_since = None  # it moved on
+                    w.behind_since = None
                 w.beat = beat
             if process_state(w.pid) == "T":
                 w.stopped_since = w.stopped_since or now
@@ -272,14 +284,18 @@ class Watchdog:
             return f"{what} (the process was stopped by a signal, e.g. SIGSTOP)", quiet
         if w.behind_since is not None:
             quiet = now - w.behind_since
-            waiting = [p.rank for p in live if p is not w and _waits_for(p.beat, w.beat)]
-            step = w.beat.entered + 1
-            what = "reach its first step" if step == 1 else f"enter step {step} {after}"
-            return (
-                f"did not {what} for {quiet:.1f} s while rank(s) "
-                f"{', '.join(map(str, waiting))} waited for it in step {step}",
-                quiet,
-            )
+            peers = [p for p in live if p is not w and _waits_for(p.beat, w.beat)]
+            ranks = ", ".join(str(p.rank) for p in peers)
+            labels = sorted({p.beat.waiting for p in peers if p.beat.waiting})
+            at = f"at {', '.join(labels)}" if labels else f"in step {w.beat.entered + 1}"
+            entered = w.beat.entered
+            if not entered:
+                what = "reach its first step"
+            elif any(_ahead(p.beat, w.beat) for p in peers):
+                what = f"enter step {entered + 1} {after}"
+            else:
+                what = f"join them {after}"
+            return f"did not {what} for {quiet:.1f} s while rank(s) {ranks} waited {at}", quiet
         quiet = now - w.changed
         what = f"completed no step for {quiet:.1f} s {after}"
         if callback is not None:
@@ -318,8 +334,8 @@ def _where(w: _Watched, running: bool, callback: str | None) -> str:
         return "stopped by a signal"
     if beat.exiting:
         return "exiting (its script returned)"
-    if beat.compiling and beat.inside:
-        where = f"compiling step {beat.entered}"
+    if beat.compiling:
+        where = f"compiling step {beat.entered}" if beat.inside else "compiling"
     elif beat.inside:
         where = f"inside step {beat.entered}"
     elif beat.finished:

@@ -9,9 +9,10 @@ peers wait in) from the peers that wait for it, to leave compiling and the exit
 after the last step alone, and to report where every worker was
 (:mod:`fdp.launch._watchdog`). Outside the launcher (no variable) nothing is written.
 
-The record is one line: ``ENTERED FINISHED FLAG [WAITING FOR...]``, where
-``FLAG`` is ``-``, ``c`` (inside a call that traces and compiles: a step's first
-call for its shapes) or ``x`` (the script returned: the process is exiting).
+The record is one line: ``ENTERED FINISHED FLAG WRITES [WAITING FOR...]``, where
+``FLAG`` is ``-``, ``c`` (tracing and compiling: a step's first call for its
+shapes, or ``lower``) or ``x`` (the script returned: the process is exiting), and
+``WRITES`` counts the records written, so that any activity shows.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _state: dict = {
     "finished": 0,
     "flag": "-",
     "waiting": "",
+    "writes": 0,
     "fd": None,
     "pid": None,
 }
@@ -42,9 +44,10 @@ class Beat:
     Attributes:
       entered: steps it entered (started to call).
       finished: steps it finished (the call returned: dispatched).
-      compiling: it is inside a call that traces and compiles.
+      compiling: it traces and compiles (a step's first call for its shapes).
       exiting: its script returned; it is shutting down.
       waiting: what it waits for outside the compiled program (``''``: nothing).
+      writes: records it wrote (any change of where it is).
     """
 
     entered: int
@@ -52,6 +55,7 @@ class Beat:
     compiling: bool = False
     exiting: bool = False
     waiting: str = ""
+    writes: int = 0
 
     @property
     def inside(self) -> bool:
@@ -78,7 +82,8 @@ def _write() -> None:
     if fd < 0:
         return
     s = _state
-    line = f"{s['entered']} {s['finished']} {s['flag']} {s['waiting']}"
+    s["writes"] += 1  # any change shows, even one undone before the agent reads
+    line = f"{s['entered']} {s['finished']} {s['flag']} {s['writes']} {s['waiting']}"
     data = line.encode("ascii", "replace")[: _SIZE - 1].ljust(_SIZE - 1) + b"\n"
     try:
         os.pwrite(fd, data, 0)
@@ -86,11 +91,30 @@ def _write() -> None:
         _state["fd"] = -1  # the agent's directory went away: stop trying
 
 
-def step_entered(*, compiling: bool = False) -> None:
-    """Records that this process entered one more step (``compiling``: its first call)."""
+def step_entered() -> None:
+    """Records that this process entered one more step (called at the start of the call)."""
     _state["entered"] = _state["finished"] + 1
-    _state["flag"] = "c" if compiling else "-"
+    _state["flag"] = "-"
     _write()
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Records, while inside, that this process traces and compiles (never a hang).
+
+    Example:
+      >>> with compiling():
+      ...     pass
+    """
+    before = _state["flag"]
+    _state["flag"] = "c"
+    _write()
+    try:
+        yield
+    finally:
+        if _state["flag"] == "c":
+            _state["flag"] = before
+            _write()
 
 
 def step_done() -> None:
@@ -142,19 +166,19 @@ def parse(text: bytes) -> Beat | None:
     A bare number (an older record) counts as that many finished steps.
 
     Example:
-      >>> parse(b"4 3 - store key 'host/1'\n")
-      Beat(entered=4, finished=3, compiling=False, exiting=False, waiting="store key 'host/1'")
+      >>> parse(b"4 3 - 12 store key 'host/1'\n")  # doctest: +NORMALIZE_WHITESPACE
+      Beat(entered=4, finished=3, compiling=False, exiting=False,
+           waiting="store key 'host/1'", writes=12)
       >>> parse(b"7\n").finished, parse(b"") is None
       (7, True)
     """
-    fields = text.decode("ascii", "replace").strip().split(maxsplit=3)
+    fields = text.decode("ascii", "replace").strip().split(maxsplit=4)
     if len(fields) == 1 and fields[0].isdigit():
         return Beat(int(fields[0]), int(fields[0]))
-    if len(fields) < 3 or not (fields[0].isdigit() and fields[1].isdigit()):
+    if len(fields) < 4 or not all(f.isdigit() for f in (fields[0], fields[1], fields[3])):
         return None
-    flag = fields[2]
-    waiting = fields[3] if len(fields) > 3 else ""
-    return Beat(int(fields[0]), int(fields[1]), flag == "c", flag == "x", waiting)
+    flag, waiting = fields[2], fields[4] if len(fields) > 4 else ""
+    return Beat(int(fields[0]), int(fields[1]), flag == "c", flag == "x", waiting, int(fields[3]))
 
 
 def read(path: str) -> Beat | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -117,7 +118,8 @@ class StepRunner:
         if plan is None:
             if len(self._plans) >= 64:  # new shapes every call: keep memory bounded
                 self._plans.clear()
-            plan = self._plans[key] = compute()
+            with heartbeat.compiling():  # it traces: never a hang for fdp launch
+                plan = self._plans[key] = compute()
         return plan
 
     def _donated_error(self, args: tuple) -> RuntimeError:
@@ -146,14 +148,14 @@ class StepRunner:
 
     def _run(self, plan: StepPlan, *args: Any) -> Any:
         self._last_plan = plan
-        # For fdp launch's hang detection (no-ops outside it): where this process is, and
-        # whether this call traces and compiles, which never counts as a hang.
+        # For fdp launch's hang detection (no-ops outside it): the front end recorded
+        # that the step was entered; its first call per plan compiles, never a hang.
         compiling = plan not in self._ran
-        heartbeat.step_entered(compiling=compiling)
-        if self._observer.on:
-            out = self._observer.run(self._jit(), self.config, plan, args)
-        else:
-            out = self._jit()(plan, *args)
+        with heartbeat.compiling() if compiling else contextlib.nullcontext():
+            if self._observer.on:
+                out = self._observer.run(self._jit(), self.config, plan, args)
+            else:
+                out = self._jit()(plan, *args)
         if compiling:
             if len(self._ran) >= 64:  # as _plans: new shapes every call keep memory bounded
                 self._ran.clear()
