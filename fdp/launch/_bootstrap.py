@@ -7,12 +7,14 @@ the script configures them. It
 - dies with the agent: on Linux the kernel sends it SIGKILL if the agent
   process ends, so no worker outlives ``fdp launch``, even one killed by SIGKILL;
 - writes the Python stack of every thread to ``FDP_STACK_FILE`` when it gets
-  :data:`STACK_SIGNAL` (``faulthandler``), which the agent sends a worker it
-  found hung, so that the summary shows where it was stuck;
+  :data:`STACK_SIGNAL` (``faulthandler``), which the agent sends every worker
+  when it finds a hang, to see who is stuck where (a host callback);
 - pins itself to its share of CPU cores (``FDP_CPU_AFFINITY``) before any
   thread pool sizes itself from the core count;
 - runs the script as ``python script.py`` would (``__main__``, ``sys.argv``,
   ``sys.path[0]``);
+- records in the worker's heartbeat (if the script used fdp) that the script
+  returned: the exit after the last step is never a hang;
 - ends a worker that exits with status 0 after ``fdp.reached_preemption``
   returned True at once, as its checkpoint is saved and JAX's teardown would
   spend seconds of the agent's grace period;
