@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -150,15 +151,18 @@ class StepRunner:
         # For fdp launch's hang detection (no-ops outside it): the front end recorded
         # that the step was entered; its first call per plan compiles, never a hang.
         compiling = plan not in self._ran
-        if compiling:
-            # Compiled apart from the call (which reuses it), so that the first
-            # execution, which waits for the peers, is watched like any other.
+        # Compiled apart from the call (which reuses it), so that the first execution,
+        # which waits for the peers, is watched like any other; unless the observer
+        # times the first call with its compilation (stats on), which stays one.
+        timed = self._observer.on and self._observer.times_first_call()
+        if compiling and not timed:
             with heartbeat.compiling():
                 self._jit().lower(plan, *args).compile()
-        if self._observer.on:
-            out = self._observer.run(self._jit(), self.config, plan, args)
-        else:
-            out = self._jit()(plan, *args)
+        with heartbeat.compiling() if compiling and timed else contextlib.nullcontext():
+            if self._observer.on:
+                out = self._observer.run(self._jit(), self.config, plan, args)
+            else:
+                out = self._jit()(plan, *args)
         if compiling:
             if len(self._ran) >= 64:  # as _plans: new shapes every call keep memory bounded
                 self._ran.clear()
