@@ -414,6 +414,7 @@ def test_the_watchdog_names_a_worker_absent_while_a_peer_waits_never_a_slow_comp
     dog.check({0, 1})
     time.sleep(0.4)
     hang = dog.check({0, 1})
+    assert hang is not None
     assert (hang.rank, hang.steps, hang.stopped) == (1, 0, False)
     assert hang.describe().startswith("hung: it did not reach its first step for 0.")
     assert "while rank(s) 0 waited at store key 'host/1'" in hang.describe()
@@ -439,6 +440,7 @@ def test_the_watchdog_never_takes_compiling_or_the_exit_for_a_hang(tmp_path):
     dog.check({0, 1})
     time.sleep(0.4)
     hang = dog.check({0, 1})
+    assert hang is not None
     assert (hang.rank, hang.steps) == (1, 5)
     assert hang.describe().startswith("hung: it completed no step for 0.")
 

@@ -75,7 +75,7 @@ state = fdp.replicate(
 )
 # FAULTY_COMM_HOOK=allreduce: XLA's all-reduce (gloo), with no shared-memory set-up.
 hook = os.environ.get("FAULTY_COMM_HOOK")
-step = fdp.train_step(loss_fn, **({"comm_hook": hook} if hook else {}))
+step = fdp.train_step(loss_fn, comm_hook=hook) if hook else fdp.train_step(loss_fn)
 rng = np.random.default_rng(rank)
 if rank == bad_rank and mode == "slowexit":
     atexit.register(time.sleep, fault_step)  # runs after the script returned
