@@ -71,22 +71,32 @@ class WorkerGroup:
         files = [(w.rank, w.proc.pid, self._file(w.rank, "heartbeat")) for w in self.workers]
         return Watchdog(self.cfg.hang_timeout, files)
 
-    def dump_stack(self, rank: int, wait: float = 2.0) -> None:
-        """Asks worker ``rank`` for its Python stack (it may be stopped: it is continued)."""
-        worker = next(w for w in self.workers if w.rank == rank)
-        path = self._file(rank, "stack")
-        if STACK_SIGNAL is None or worker.exit is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(worker.proc.pid, STACK_SIGNAL)
-            os.kill(worker.proc.pid, signal.SIGCONT)  # a stopped process runs the handler
-        deadline, size = time.monotonic() + wait, -1
-        while time.monotonic() < deadline:
+    def dump_stacks(self, ranks: list[int], wait: float = 2.0) -> dict[int, str]:
+        """Asks workers ``ranks`` for their Python stacks, all at once, and returns them.
+
+        A stopped worker is continued to run the handler. Each one's dump is
+        read once written and no longer growing, or after ``wait`` seconds.
+        """
+        asked = []
+        for w in self.workers:
+            if w.rank not in ranks or STACK_SIGNAL is None or w.exit is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(w.proc.pid, STACK_SIGNAL)
+                os.kill(w.proc.pid, signal.SIGCONT)  # a stopped process runs the handler
+                asked.append(w.rank)
+        sizes = {r: -1 for r in asked}
+        deadline = time.monotonic() + wait
+        while sizes and time.monotonic() < deadline:
             time.sleep(0.1)
-            now = os.path.getsize(path) if os.path.exists(path) else 0
-            if now and now == size:  # written, and no longer growing
-                return
-            size = now
+            for r, size in list(sizes.items()):
+                path = self._file(r, "stack")
+                now = os.path.getsize(path) if os.path.exists(path) else 0
+                if now and now == size:  # written, and no longer growing
+                    del sizes[r]
+                else:
+                    sizes[r] = now
+        return {r: _read_text(self._file(r, "stack")) or "" for r in ranks}
 
     def start(self, stdout: IO[str], stderr: IO[str]) -> None:
         """Starts every local worker, each in its own session (process group)."""
@@ -197,6 +207,7 @@ class WorkerGroup:
             w.exit.tail = w.output.tail()
             if self.hang is not None and self.hang.rank == w.rank:
                 w.exit.hang = self.hang.describe()
+                w.exit.hang_table = self.hang.table
                 w.exit.stack = _read_text(self._file(w.rank, "stack"))
             out.append(w.exit)
         return out
@@ -238,11 +249,11 @@ def _watch(group: WorkerGroup, received: list[int], stderr: IO[str]) -> str:
             return "failed"
         if not group.running:
             return "succeeded"
-        hang = watchdog and watchdog.check({w.rank for w in group.running})
+        hang = watchdog and watchdog.check({w.rank for w in group.running}, group.dump_stacks)
         if hang:
             group.hang = hang
-            _log(stderr, f"rank {hang.rank} {hang.describe()}; stopping the workers.")
-            group.dump_stack(hang.rank)
+            table = "".join(f"\n  {line}" for line in hang.table)
+            _log(stderr, f"rank {hang.rank} {hang.describe()}; stopping the workers.{table}")
             return "failed"
         time.sleep(group.cfg.monitor_interval)
 

@@ -7,12 +7,14 @@ the script configures them. It
 - dies with the agent: on Linux the kernel sends it SIGKILL if the agent
   process ends, so no worker outlives ``fdp launch``, even one killed by SIGKILL;
 - writes the Python stack of every thread to ``FDP_STACK_FILE`` when it gets
-  :data:`STACK_SIGNAL` (``faulthandler``), which the agent sends a worker it
-  found hung, so that the summary shows where it was stuck;
+  :data:`STACK_SIGNAL` (``faulthandler``), which the agent sends every worker
+  when it finds a hang, to see who is stuck where (a host callback);
 - pins itself to its share of CPU cores (``FDP_CPU_AFFINITY``) before any
   thread pool sizes itself from the core count;
 - runs the script as ``python script.py`` would (``__main__``, ``sys.argv``,
   ``sys.path[0]``);
+- records in the worker's heartbeat (if the script used fdp) that the script
+  returned: the exit after the last step is never a hang;
 - ends a worker that exits with status 0 after ``fdp.reached_preemption``
   returned True at once, as its checkpoint is saved and JAX's teardown would
   spend seconds of the agent's grace period;
@@ -40,7 +42,7 @@ _PR_SET_PDEATHSIG = 1
 
 # A real-time signal, so that no handler of the script's (SIGUSR1...) is taken or run.
 STACK_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
-_stack_file: list = []  # kept open for faulthandler, which writes from a signal handler
+_stack_fd: list[int] = []  # kept open for faulthandler, which writes from a signal handler
 
 
 def _die_with_agent() -> None:
@@ -60,12 +62,18 @@ def _dump_stack_on_signal() -> None:
     path = os.environ.get("FDP_STACK_FILE")
     if not path or STACK_SIGNAL is None:
         return
+    # A descriptor, not a file object: open for the life of the process, it is closed
+    # by the exit itself (a file object would warn ResourceWarning at teardown).
     try:
-        f = open(path, "w")  # noqa: SIM115 (open for the life of the process)
-        faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
-    except (OSError, ValueError, RuntimeError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    except OSError:
         return
-    _stack_file.append(f)
+    try:
+        faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        os.close(fd)
+        return
+    _stack_fd.append(fd)
 
 
 def _pin_cpus() -> None:
@@ -127,6 +135,19 @@ def _preempted() -> bool:
     return bool(getattr(module, "reached", False))
 
 
+def _exiting() -> None:
+    """Tells the agent (through the heartbeat, if the script used fdp) that the script returned.
+
+    What follows, the teardown of JAX and the libraries, is the exit after the
+    last step, which the agent never takes for a hang.
+    """
+    module = sys.modules.get("fdp.runtime._heartbeat")
+    mark = getattr(module, "exiting", None)
+    if mark is not None:
+        with contextlib.suppress(Exception):
+            mark()
+
+
 def main(argv: list[str]) -> None:
     """Runs ``argv`` (``script args...`` or ``-m module args...``) as the worker."""
     _die_with_agent()
@@ -142,8 +163,10 @@ def main(argv: list[str]) -> None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(target, run_name="__main__")
+        _exiting()
     except SystemExit as e:
         if e.code is None or e.code == 0:
+            _exiting()
             if _preempted():
                 _exit_now(0)
             raise

@@ -31,9 +31,11 @@ class LaunchConfig:
         host (by default derived from the coordinator's address and the sizes).
       monitor_interval: seconds between checks of the workers.
       grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
-      hang_timeout: seconds a worker may go without completing a step (after its
-        first) or stay stopped by a signal before it is declared hung and the
-        group is stopped; 0 turns hang detection off.
+      hang_timeout: seconds a worker may hold up a peer that waits for it (or,
+        after the first step, every worker make no progress, or one stay stopped
+        by a signal) before it is declared hung and the group is stopped;
+        compiling and the exit after the script never count; 0 turns hang
+        detection off.
       bind_gpus: give each local worker its own GPU(s) via
         ``CUDA_VISIBLE_DEVICES`` when the host has GPUs.
       bind_cpus: without GPUs, pin each local worker to its share of CPU cores
@@ -223,8 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds a worker may complete no step (after its first) or stay stopped before "
-        "it is declared hung and the group stopped; 0: off (default: %(default)s)",
+        help="seconds a worker may hold up a waiting peer (or every worker make no progress "
+        "after the first step, or one stay stopped) before it is declared hung and the group "
+        "stopped; compiling and the exit never count; 0: off (default: %(default)s)",
     )
     parser.add_argument(
         "--no-gpu-binding",

@@ -61,6 +61,7 @@ class WorkerExit:
       tail: its last lines of output.
       hang: why the agent found it hung (:meth:`Hang.describe`), if it did.
       stack: its Python stack when it was found hung, if it could write it.
+      hang_table: where every worker was when it was found hung (:attr:`Hang.table`).
     """
 
     rank: int
@@ -74,6 +75,7 @@ class WorkerExit:
     tail: tuple[str, ...] = ()
     hang: str | None = None
     stack: str | None = None
+    hang_table: tuple[str, ...] = ()
 
     @property
     def failed(self) -> bool:
@@ -138,6 +140,9 @@ def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_
         body = list(cause.tail)
         lines.append("  its last output:" if body else "  it printed nothing.")
     lines += [f"    {line}" for line in body[-_TRACEBACK_LINES:]]
+    if cause.hang_table:
+        lines.append("  where every worker was when the hang was found:")
+        lines += [f"    {line}" for line in cause.hang_table]
     others = [e for e in sorted(exits, key=lambda e: e.rank) if e is not cause]
     failed = [f"rank {e.rank} ({describe_exit(e.returncode)})" for e in others if e.failed]
     stopped = [

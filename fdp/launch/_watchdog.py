@@ -1,50 +1,71 @@
-"""Hang detection: the agent's watch over its workers' per-step heartbeats.
+"""Hang detection: the agent's watch over where its workers are.
 
 A worker that dies is seen at once; one that hangs (a deadlock, an endless
-loop, a process stopped by SIGSTOP or a debugger) is not dead, and its peers
-soon wait for it in a collective, so every worker goes quiet. Each worker
-reports every completed step through a heartbeat file
-(:mod:`fdp.runtime._heartbeat`); the agent declares a hang when a worker has
-completed no step for ``timeout`` seconds after its last one, or has been
-stopped by a signal for that long, and blames the worker that is behind: a
-stopped one first, then the one with the fewest steps, then the one quiet the
-longest. A worker is watched for steps from its first step on, so compiling
-and loading before it never count as a hang.
+loop, a blocking host callback, a process stopped by SIGSTOP or a debugger) is
+not dead, and its peers soon wait for it in a collective, so every worker goes
+quiet. Each worker records where it is in a heartbeat file
+(:mod:`fdp.runtime._heartbeat`): the steps it entered and finished, whether it is
+tracing and compiling, what it waits for outside the compiled program, and that
+its script returned. The agent declares a hang from that evidence, never from
+silence alone:
+
+- a worker stopped by a signal for ``timeout`` seconds;
+- a worker *behind*: a peer finished (or waits inside) a step that this worker
+  has not entered, and this worker entered no new step for ``timeout`` seconds
+  (a worker that never reaches its first step while its peers wait is one);
+- no worker made progress for ``timeout`` seconds after its first step.
+
+Compiling never counts: while any worker traces and compiles (a step's first
+call for its shapes) no one is quiet, and a worker that entered the step is not
+behind. Nor does the exit after the last step (the script returned). The worker
+blamed is, in order: a stopped one, the one behind (fewest steps entered, then
+finished), one blocked in a host callback inside the compiled step (read from
+the Python stacks of every worker, which the agent asks for when it finds a
+hang), then the one quiet the longest. :meth:`Hang.table` shows every worker's state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from fdp.runtime._heartbeat import read
+from fdp.runtime._heartbeat import Beat, read
 
 
 @dataclasses.dataclass(frozen=True)
 class Hang:
-    """The worker blamed for a hang.
+    """The worker blamed for a hang, and where every worker was.
 
     Attributes:
       rank: its global rank.
       steps: steps it completed (0: none).
-      quiet: seconds since its last step (since it was stopped, if it never stepped).
+      quiet: seconds it made no progress (for the one behind: since a peer waited for it).
       stopped: the process was stopped by a signal (SIGSTOP, SIGTSTP).
+      why: what the evidence says, as the end of ``'hung: it ...'``.
+      table: one line per worker (a header first): its steps and where it was.
     """
 
     rank: int
     steps: int
     quiet: float
     stopped: bool
+    why: str = ""
+    table: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """``'hung: it completed no step for 30.1 s after its step 5 (...)'``."""
+        return f"hung: it {self.why or self._quiet_text()}"
+
+    def _quiet_text(self) -> str:
         if self.steps:
             what = f"completed no step for {self.quiet:.1f} s after its step {self.steps}"
         else:
-            what = f"was stopped for {self.quiet:.1f} s before its first step"
+            what = f"made no progress for {self.quiet:.1f} s before its first step"
         how = " (the process was stopped by a signal, e.g. SIGSTOP)" if self.stopped else ""
-        return f"hung: it {what}{how}"
+        return what + how
 
 
 @dataclasses.dataclass
@@ -52,9 +73,18 @@ class _Watched:
     rank: int
     pid: int
     heartbeat: str
-    steps: int = 0
-    changed: float = 0.0
+    beat: Beat = dataclasses.field(default_factory=lambda: Beat(0, 0))
+    changed: float = 0.0  # when it last entered or finished a step (or the watch began)
+    behind_since: float | None = None
     stopped_since: float | None = None
+
+    @property
+    def exiting(self) -> bool:
+        return self.beat.exiting
+
+    @property
+    def compiling(self) -> bool:
+        return self.beat.compiling and not self.beat.exiting
 
 
 def process_state(pid: int) -> str:
@@ -66,11 +96,96 @@ def process_state(pid: int) -> str:
         return ""
 
 
+def _waits_for(peer: Beat, beat: Beat) -> bool:
+    """Whether a worker at ``peer`` waits for one at ``beat``.
+
+    It does when it finished a step the other has not entered (it waits in that
+    step's collective); when it is inside such a step, unless still compiling it
+    without waiting for its peers there (e.g. at a store key); and when it waits
+    for its peers outside the compiled program (a store key, a host collective)
+    no later than the other, which neither waits nor compiles.
+    """
+    if peer.exiting:
+        return False
+    if peer.finished > beat.entered:
+        return True
+    if peer.entered > beat.entered and (not peer.compiling or bool(peer.waiting)):
+        return True
+    return (
+        bool(peer.waiting)
+        and not (beat.waiting or beat.compiling or beat.exiting)
+        and (peer.entered, peer.finished) >= (beat.entered, beat.finished)
+    )
+
+
+def _ahead(peer: Beat, beat: Beat) -> bool:
+    """Whether ``peer`` is past ``beat`` in steps: it finished or entered a step beyond."""
+    return peer.finished > beat.entered or peer.entered > beat.entered
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>\S+)')
+_LIBRARY = re.compile(r"/lib/python3[^/]*/|[/\\](site|dist)-packages[/\\]|^<frozen ")
+_FDP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fdp's own frames
+_STEP_CALL = os.path.join(_FDP, "step", "_runner.py")  # where a step's call runs
+
+
+def callback_frame(stack: str) -> str | None:
+    """Where a host callback runs inside the compiled step, from a ``faulthandler`` dump.
+
+    A host callback (``jax.debug.callback``, ``jax.pure_callback``,
+    ``io_callback``) is Python code that the compiled program calls: either on
+    the runtime's own thread, a thread whose outermost frame is neither the
+    script's (the launcher's bootstrap) nor a Python thread's (``threading``), or
+    on the thread that called the step, where it shows as code of the user's
+    (not fdp's, not a library's) called from inside fdp's step call. Read only
+    while the step is not tracing, when the user's loss runs there too. Returns
+    the innermost frame of the user's code (else the innermost frame), or None.
+
+    Example:
+      >>> dump = '''Thread 0x1 (most recent call first):
+      ...   File "/w/train.py", line 9 in block
+      ...   File "/x/lib/python3.11/site-packages/jax/_src/debugging.py", line 3 in cb
+      ...
+      ... Current thread 0x2 (most recent call first):
+      ...   File "/w/train.py", line 20 in <module>
+      ...   File "/x/fdp/launch/_bootstrap.py", line 1 in <module>
+      ... '''
+      >>> callback_frame(dump)
+      'train.py, line 9 in block'
+      >>> callback_frame(dump.split("Current")[1]) is None
+      True
+    """
+    for frames, truncated in _threads(stack):
+        if not frames or truncated:
+            continue
+        if frames[-1]["file"].endswith(("_bootstrap.py", "threading.py")):
+            calls = [i for i, f in enumerate(frames) if f["file"] == _STEP_CALL]
+            frames = frames[: calls[0]] if calls else []  # what the step's call runs
+        own = [f for f in frames if not (_LIBRARY.search(f["file"]) or f["file"].startswith(_FDP))]
+        if own:
+            top = own[0]
+            return f"{os.path.basename(top['file'])}, line {top['line']} in {top['name']}"
+    return None
+
+
+def _threads(stack: str) -> list[tuple[list[dict[str, str]], bool]]:
+    """The frames of each thread in a ``faulthandler`` dump (innermost first), and if cut."""
+    threads: list[tuple[list[dict[str, str]], bool]] = []
+    for line in stack.splitlines():
+        if re.match(r"^(Current thread|Thread) 0x[0-9a-fA-F]+", line):
+            threads.append(([], False))
+        elif threads and (m := _FRAME.match(line)):
+            threads[-1][0].append(m.groupdict())
+        elif threads and line.strip() == "...":
+            threads[-1] = (threads[-1][0], True)
+    return threads
+
+
 class Watchdog:
     """Watches one attempt's workers for a hang.
 
     Args:
-      timeout: seconds without a step (or stopped) after which a worker is hung.
+      timeout: seconds of a hang's evidence (behind, quiet or stopped) before it counts.
       workers: ``(rank, pid, heartbeat file)`` of each worker.
     """
 
@@ -79,26 +194,156 @@ class Watchdog:
         now = time.monotonic()
         self._workers = [_Watched(rank, pid, path, changed=now) for rank, pid, path in workers]
 
-    def check(self, running: set[int]) -> Hang | None:
-        """The hung worker to blame, or ``None``; ``running`` are the ranks still running."""
-        now = time.monotonic()
-        live = [w for w in self._workers if w.rank in running]
+    def _update(self, live: list[_Watched], now: float) -> None:
         for w in live:
-            steps = read(w.heartbeat)
-            if steps is not None and steps != w.steps:
-                w.steps, w.changed = steps, now
+            beat = read(w.heartbeat)
+            if beat is not None:
+                if beat != w.beat:  # any record written counts: it moved
+                    w.changed = now
+                    w.behind_since = None
+                w.beat = beat
             if process_state(w.pid) == "T":
                 w.stopped_since = w.stopped_since or now
             else:
                 w.stopped_since = None
-        late = [
-            w
-            for w in live
-            if (w.steps and now - w.changed >= self.timeout)
-            or (w.stopped_since is not None and now - w.stopped_since >= self.timeout)
-        ]
-        if not late:
+        for w in live:
+            waited = not w.exiting and any(_waits_for(p.beat, w.beat) for p in live if p is not w)
+            if not waited:
+                w.behind_since = None
+            elif w.behind_since is None:
+                w.behind_since = now
+
+    def _triggered(self, live: list[_Watched], now: float) -> bool:
+        if any(w.stopped_since is not None and now - w.stopped_since >= self.timeout for w in live):
+            return True
+        if any(w.behind_since is not None and now - w.behind_since >= self.timeout for w in live):
+            return True
+        active = [w for w in live if not w.exiting]
+        if not active or any(w.compiling for w in live):
+            return False
+        if not any(w.beat.finished for w in active):
+            return False  # nothing has stepped yet: start-up
+        return now - max(w.changed for w in live) >= self.timeout
+
+    def check(
+        self,
+        running: set[int],
+        stacks: Callable[[list[int]], Mapping[int, str]] | None = None,
+    ) -> Hang | None:
+        """The hung worker to blame, or ``None``; ``running`` are the ranks still running.
+
+        ``stacks`` returns the Python stacks of the given ranks; it is called
+        once a hang is found, for the evidence of a host callback and the table.
+        """
+        now = time.monotonic()
+        live = [w for w in self._workers if w.rank in running]
+        self._update(live, now)
+        if not self._triggered(live, now):
             return None
-        blamed = min(live, key=lambda w: (w.stopped_since is None, w.steps, w.changed, w.rank))
-        since = blamed.changed if blamed.steps else (blamed.stopped_since or blamed.changed)
-        return Hang(blamed.rank, blamed.steps, now - since, blamed.stopped_since is not None)
+        dumps = dict(stacks([w.rank for w in live])) if stacks else {}
+        inside = {
+            w.rank: None if w.compiling else callback_frame(dumps.get(w.rank, "")) for w in live
+        }
+        candidates = [w for w in live if not w.exiting] or live
+        blamed = min(
+            candidates,
+            key=lambda w: (
+                w.stopped_since is None,
+                w.behind_since is None,
+                w.beat.entered,
+                w.beat.finished,
+                inside[w.rank] is None,
+                w.changed,
+                w.rank,
+            ),
+        )
+        why, quiet = self._why(blamed, live, inside[blamed.rank], now)
+        return Hang(
+            blamed.rank,
+            blamed.beat.finished,
+            quiet,
+            blamed.stopped_since is not None,
+            why,
+            self._table(now, running, inside),
+        )
+
+    def _why(
+        self, w: _Watched, live: list[_Watched], callback: str | None, now: float
+    ) -> tuple[str, float]:
+        """What the evidence says of the blamed worker, and how long it has held the others up."""
+        steps = w.beat.finished
+        after = f"after its step {steps}" if steps else "before its first step"
+        if w.stopped_since is not None:
+            since = w.changed if steps else w.stopped_since
+            quiet = now - since
+            what = (
+                f"completed no step for {quiet:.1f} s {after}"
+                if steps
+                else (f"was stopped for {now - w.stopped_since:.1f} s {after}")
+            )
+            return f"{what} (the process was stopped by a signal, e.g. SIGSTOP)", quiet
+        if w.behind_since is not None:
+            quiet = now - w.behind_since
+            peers = [p for p in live if p is not w and _waits_for(p.beat, w.beat)]
+            ranks = ", ".join(str(p.rank) for p in peers)
+            labels = sorted({p.beat.waiting for p in peers if p.beat.waiting})
+            at = f"at {', '.join(labels)}" if labels else f"in step {w.beat.entered + 1}"
+            entered = w.beat.entered
+            if not entered:
+                what = "reach its first step"
+            elif any(_ahead(p.beat, w.beat) for p in peers):
+                what = f"enter step {entered + 1} {after}"
+            else:
+                what = f"join them {after}"
+            return f"did not {what} for {quiet:.1f} s while rank(s) {ranks} waited {at}", quiet
+        quiet = now - w.changed
+        what = f"completed no step for {quiet:.1f} s {after}"
+        if callback is not None:
+            return f"{what}: it is blocked in a host callback ({callback}) inside the step", quiet
+        return (
+            f"{what} (no worker is behind, stopped or in a host callback: blamed as the "
+            "quiet one of the lowest rank; see every worker's state below)",
+            quiet,
+        )
+
+    def _table(
+        self, now: float, running: set[int], inside: Mapping[int, str | None]
+    ) -> tuple[str, ...]:
+        rows = [("rank", "steps", "where", "no progress for")]
+        for w in sorted(self._workers, key=lambda w: w.rank):
+            rows.append(
+                (
+                    str(w.rank),
+                    str(w.beat.finished),
+                    _where(w, w.rank in running, inside.get(w.rank)),
+                    f"{now - w.changed:.1f} s",
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return tuple(
+            "  ".join(c.ljust(n) for c, n in zip(row, widths, strict=True)).rstrip() for row in rows
+        )
+
+
+def _where(w: _Watched, running: bool, callback: str | None) -> str:
+    """One worker's state in words, e.g. ``'inside step 4, waiting for store key ...'``."""
+    beat = w.beat
+    if not running:
+        return "ended"
+    if w.stopped_since is not None:
+        return "stopped by a signal"
+    if beat.exiting:
+        return "exiting (its script returned)"
+    if beat.compiling:
+        where = f"compiling step {beat.entered}" if beat.inside else "compiling"
+    elif beat.inside:
+        where = f"inside step {beat.entered}"
+    elif beat.finished:
+        where = f"between steps {beat.finished} and {beat.finished + 1}"
+    else:
+        where = "before its first step"
+    if beat.waiting:
+        where += f", waiting for {beat.waiting}"
+    if callback is not None:
+        where += f", in a host callback ({callback})"
+    return where

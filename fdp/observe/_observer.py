@@ -53,6 +53,10 @@ class Observer:
         self._batch_arg = batch_arg
         self._schedule = check_schedule(stats)
 
+    def times_first_call(self) -> bool:
+        """Whether the next call is the first one and is timed, compilation included."""
+        return self.level is None and bool(self._schedule or debug_level() >= DebugLevel.INFO)
+
     def run(self, fn: Any, config: Any, plan: Any, args: tuple) -> Any:
         """Runs the jitted step ``fn(plan, *args)``, observing it as the level says.
 

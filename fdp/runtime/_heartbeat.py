@@ -1,20 +1,66 @@
-"""Per-step heartbeats from a worker to the ``fdp launch`` agent that watches it.
+"""Where a worker is, for the ``fdp launch`` agent that watches it for hangs.
 
-The agent names a file in ``FDP_HEARTBEAT_FILE``; every step a worker
-completes overwrites it with the number of steps completed so far (one
-``pwrite`` of 21 bytes, a few microseconds). The agent reads the files to tell a
-worker that stopped making progress (hung, or stopped by a signal) from its
-peers, which soon wait for it and stop too, and to report its last step.
-Outside the launcher (no variable) nothing is written.
+The agent names a file in ``FDP_HEARTBEAT_FILE``; a worker overwrites it (one
+``pwrite`` of 128 bytes, a few microseconds) each time it enters a step, leaves
+one, starts or stops waiting for its peers outside the compiled program (a store
+key, a barrier), and when its script has returned. The agent reads the files to
+tell the worker that holds the others up (one that did not enter the step its
+peers wait in) from the peers that wait for it, to leave compiling and the exit
+after the last step alone, and to report where every worker was
+(:mod:`fdp.launch._watchdog`). Outside the launcher (no variable) nothing is written.
+
+The record is one line: ``ENTERED FINISHED FLAG WRITES [WAITING FOR...]``, where
+``FLAG`` is ``-``, ``c`` (tracing and compiling: a step's first call for its
+shapes, or ``lower``) or ``x`` (the script returned: the process is exiting), and
+``WRITES`` counts the records written, so that any activity shows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import threading
+from collections.abc import Iterator
 
 HEARTBEAT_VAR = "FDP_HEARTBEAT_FILE"
+_SIZE = 128
 
-_state = {"steps": 0, "fd": None, "pid": None}
+_state: dict = {
+    "entered": 0,
+    "finished": 0,
+    "flag": "-",
+    "waiting": "",
+    "writes": 0,
+    "fd": None,
+    "pid": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """One worker's record.
+
+    Attributes:
+      entered: steps it entered (started to call).
+      finished: steps it finished (the call returned: dispatched).
+      compiling: it traces and compiles (a step's first call for its shapes).
+      exiting: its script returned; it is shutting down.
+      waiting: what it waits for outside the compiled program (``''``: nothing).
+      writes: records it wrote (any change of where it is).
+    """
+
+    entered: int
+    finished: int
+    compiling: bool = False
+    exiting: bool = False
+    waiting: str = ""
+    writes: int = 0
+
+    @property
+    def inside(self) -> bool:
+        """Inside a step: entered it and not finished it."""
+        return self.entered > self.finished
 
 
 def _file() -> int:
@@ -28,31 +74,117 @@ def _file() -> int:
             except OSError:
                 fd = -1
         _state.update(fd=fd, pid=os.getpid())
-    return _state["fd"]  # pyright: ignore[reportReturnType]
+    return _state["fd"]
+
+
+def _write() -> None:
+    fd = _file()
+    if fd < 0:
+        return
+    s = _state
+    s["writes"] += 1  # any change shows, even one undone before the agent reads
+    line = f"{s['entered']} {s['finished']} {s['flag']} {s['writes']} {s['waiting']}"
+    data = line.encode("ascii", "replace")[: _SIZE - 1].ljust(_SIZE - 1) + b"\n"
+    try:
+        os.pwrite(fd, data, 0)
+    except OSError:
+        _state["fd"] = -1  # the agent's directory went away: stop trying
+
+
+def step_entered() -> None:
+    """Records that this process entered one more step (called at the start of the call)."""
+    _state["entered"] = _state["finished"] + 1
+    _state["flag"] = "-"
+    _write()
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Records, while inside, that this process traces and compiles (never a hang).
+
+    Example:
+      >>> with compiling():
+      ...     pass
+    """
+    before = _state["flag"]
+    _state["flag"] = "c"
+    _write()
+    try:
+        yield
+    finally:
+        if _state["flag"] == "c":
+            _state["flag"] = before
+            _write()
 
 
 def step_done() -> None:
     """Records that this process completed (dispatched) one more step."""
-    _state["steps"] += 1  # pyright: ignore[reportOperatorIssue]
-    fd = _file()
-    if fd >= 0:
-        try:
-            os.pwrite(fd, b"%20d\n" % _state["steps"], 0)
-        except OSError:
-            _state["fd"] = -1  # the agent's directory went away: stop trying
+    _state["finished"] += 1
+    _state["entered"] = max(_state["entered"], _state["finished"])
+    _state["flag"] = "-"
+    _write()
 
 
 def steps_done() -> int:
     """Steps this process has completed."""
-    return _state["steps"]  # pyright: ignore[reportReturnType]
+    return _state["finished"]
 
 
-def read(path: str) -> int | None:
-    """The step count in a heartbeat file, or ``None`` if there is none (yet)."""
+@contextlib.contextmanager
+def waiting(what: str) -> Iterator[None]:
+    """Records, while inside, that this process waits for its peers for ``what``.
+
+    Only the main thread's waits are recorded (the one that runs the steps): a
+    background thread's (a checkpoint's) would blur where the steps are.
+
+    Example:
+      >>> with waiting("store key 'host/1'"):
+      ...     pass
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = _state["waiting"]
+    _state["waiting"] = " ".join(what.split())
+    _write()
+    try:
+        yield
+    finally:
+        _state["waiting"] = before
+        _write()
+
+
+def exiting() -> None:
+    """Records that the script returned: what follows is the process's exit, never a hang."""
+    _state["flag"] = "x"
+    _write()
+
+
+def parse(text: bytes) -> Beat | None:
+    r"""The record in a heartbeat file's bytes, or ``None`` if there is none (yet).
+
+    A bare number (an older record) counts as that many finished steps.
+
+    Example:
+      >>> parse(b"4 3 - 12 store key 'host/1'\n")  # doctest: +NORMALIZE_WHITESPACE
+      Beat(entered=4, finished=3, compiling=False, exiting=False,
+           waiting="store key 'host/1'", writes=12)
+      >>> parse(b"7\n").finished, parse(b"") is None
+      (7, True)
+    """
+    fields = text.decode("ascii", "replace").strip().split(maxsplit=4)
+    if len(fields) == 1 and fields[0].isdigit():
+        return Beat(int(fields[0]), int(fields[0]))
+    if len(fields) < 4 or not all(f.isdigit() for f in (fields[0], fields[1], fields[3])):
+        return None
+    flag, waiting = fields[2], fields[4] if len(fields) > 4 else ""
+    return Beat(int(fields[0]), int(fields[1]), flag == "c", flag == "x", waiting, int(fields[3]))
+
+
+def read(path: str) -> Beat | None:
+    """The record in a heartbeat file, or ``None`` if there is none (yet)."""
     try:
         with open(path, "rb") as f:
-            text = f.read(64)
+            return parse(f.read(_SIZE))
     except OSError:
         return None
-    text = text.strip()
-    return int(text) if text.isdigit() else None

@@ -17,6 +17,7 @@ import jax
 
 from fdp._validate import timeout_ms
 from fdp.runtime import _client, _serialize
+from fdp.runtime import _heartbeat as heartbeat
 
 DEFAULT_TIMEOUT = 1800.0
 """Seconds a host collective waits by default (torch.distributed's default, 30 min)."""
@@ -84,7 +85,8 @@ class _Call:
     def wait(self, name: str = "barrier") -> None:
         """Waits at this call's barrier ``name``; on a timeout, raises naming who is missing."""
         try:
-            self.client.wait_at_barrier(f"{self.base}/{name}", self.ms)
+            with heartbeat.waiting(f"fdp.runtime.{self.op}"):  # for fdp launch's hang detection
+                self.client.wait_at_barrier(f"{self.base}/{name}", self.ms)
         except jax.errors.JaxRuntimeError as e:
             if not _client.is_timeout(e):
                 raise _failed(self.op, e) from None

@@ -19,6 +19,7 @@ import jax
 
 from fdp._validate import check_number, timeout_ms
 from fdp.runtime import _client
+from fdp.runtime import _heartbeat as heartbeat
 
 DEFAULT_STORE_TIMEOUT = 300.0
 """Seconds a store operation waits by default (torch's store default)."""
@@ -201,7 +202,8 @@ class Store:
           TimeoutError: ``key`` was not set in time.
         """
         timeout = self._timeout(timeout)
-        value = self._backend.get(self._key(key), timeout)
+        with heartbeat.waiting(f"store key {key!r}"):  # for fdp launch's hang detection
+            value = self._backend.get(self._key(key), timeout)
         if value is None:
             raise TimeoutError(f"Store.get: key {key!r} was not set within {timeout:g} s.")
         return value
@@ -255,8 +257,9 @@ class Store:
         missing = []
         for key in _key_list(keys):
             left = deadline - time.monotonic()
-            if left <= 0 or self._backend.get(self._key(key), left) is None:
-                missing.append(key)
+            with heartbeat.waiting(f"store key {key!r}"):
+                if left <= 0 or self._backend.get(self._key(key), left) is None:
+                    missing.append(key)
         if missing:
             raise TimeoutError(f"Store.wait: keys {missing} were not set within {timeout:g} s.")
 

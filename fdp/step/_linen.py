@@ -17,6 +17,7 @@ from fdp.data._rows import leading_size
 from fdp.hooks import CommHook, ModelAverager
 from fdp.hooks._diloco import DiLoCo
 from fdp.observe._stats import StatsSchedule
+from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
 from fdp.step._core import join_metrics, metrics_specs, reduce_step
@@ -246,6 +247,7 @@ class DataParallelStep(StepRunner):
         self, state: Any, batch: Any, rng: Any = None, mask: Any = None
     ) -> tuple[Any, dict[str, Any]]:
         """Runs one step: ``(state, batch[, rng][, mask]) -> (state, metrics)``."""
+        heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         _check_state(state)
         plan = self._plan(state, batch, rng, mask)
         self._agree("call", plan, state=state, batch=batch, rng=rng, mask=mask)

@@ -19,6 +19,7 @@ from fdp.data._placement import DATA_AXIS, replicate
 from fdp.data._rows import leading_size
 from fdp.hooks import CommHook
 from fdp.observe._stats import StatsSchedule
+from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
 from fdp.step._core import join_metrics, metrics_specs, reduce_step
@@ -265,6 +266,7 @@ class NNXDataParallelStep(StepRunner):
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
     ) -> dict[str, Any]:
         """Runs one step in place and returns the metrics."""
+        heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         plan, graphdef, comm, state = self._prepare_call(model, optimizer, batch, mask)
         comm, state, metrics = self._run(plan, graphdef, comm, state, batch, mask)
         nnx.update((model, optimizer), comm, state)
@@ -286,9 +288,11 @@ class NNXDataParallelStep(StepRunner):
             self._stateful_hook is False or hasattr(optimizer, "fdp_comm_state")
         )
         if not ready:
-            first = self._plan(model, optimizer, batch, mask)
+            with heartbeat.compiling():  # it traces: never a hang for fdp launch
+                first = self._plan(model, optimizer, batch, mask)
             self._agree("call", first, state=nnx.state((model, optimizer)), batch=batch, mask=mask)
-            self._init(model, optimizer, first.buckets)
+            with heartbeat.compiling():
+                self._init(model, optimizer, first.buckets)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
         plan = self._plan_for(
             (graphdef, state, batch, mask), lambda: self._plan(model, optimizer, batch, mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ class StepRunner:
         self._jitted: Any = None
         self._last_plan: StepPlan | None = None
         self._plans: dict[Any, StepPlan] = {}
+        self._ran: set[StepPlan] = set()  # plans called once: compiled (for the heartbeat)
         self._held: tuple[Any, Any] | None = None  # shapes of (params, opt_state), ZeRO
         self._arg_names = arg_names
         self._observer = Observer(kind, arg_names, batch_arg, stats)
@@ -121,7 +123,8 @@ class StepRunner:
         if plan is None:
             if len(self._plans) >= 64:  # new shapes every call: keep memory bounded
                 self._plans.clear()
-            plan = self._plans[key] = compute()
+            with heartbeat.compiling():  # it traces: never a hang for fdp launch
+                plan = self._plans[key] = compute()
         return plan
 
     def _donated_error(self, args: tuple) -> RuntimeError:
@@ -176,10 +179,25 @@ class StepRunner:
 
     def _run(self, plan: StepPlan, *args: Any) -> Any:
         self._last_plan = plan
-        if self._observer.on:
-            out = self._observer.run(self._jit(), self.config, plan, args)
-        else:
-            out = self._jit()(plan, *args)
+        # For fdp launch's hang detection (no-ops outside it): the front end recorded
+        # that the step was entered; its first call per plan compiles, never a hang.
+        compiling = plan not in self._ran
+        # Compiled apart from the call (which reuses it), so that the first execution,
+        # which waits for the peers, is watched like any other; unless the observer
+        # times the first call with its compilation (stats on), which stays one.
+        timed = self._observer.on and self._observer.times_first_call()
+        if compiling and not timed:
+            with heartbeat.compiling():
+                self._jit().lower(plan, *args).compile()
+        with heartbeat.compiling() if compiling and timed else contextlib.nullcontext():
+            if self._observer.on:
+                out = self._observer.run(self._jit(), self.config, plan, args)
+            else:
+                out = self._jit()(plan, *args)
+        if compiling:
+            if len(self._ran) >= 64:  # as _plans: new shapes every call keep memory bounded
+                self._ran.clear()
+            self._ran.add(plan)
         self._calls += 1
         # The metrics come last; a program traced with FDP_CHECK_FINITE=1 holds the codes.
         if isinstance(out, tuple) and isinstance(out[-1], dict) and finite.KEY in out[-1]:

@@ -20,11 +20,11 @@ BOUND = 30.0  # seconds from a fault to the launcher's exit, beyond HANG_TIMEOUT
 FAST = ["--grace-period", "0.5", "--hang-timeout", str(HANG_TIMEOUT)]
 
 
-def run_faulty(nproc, mode, rank, outdir, marker):
+def run_faulty(nproc, mode, rank, outdir, marker, step=3):
     return launch(
         ["--nproc-per-node", str(nproc), *FAST],
         "faulty.py",
-        [mode, rank, 3, outdir],
+        [mode, rank, step, outdir],
         marker,
         timeout=120,
     )
@@ -183,3 +183,86 @@ def test_a_second_run_and_a_stranger_on_the_port_leave_the_first_run_training(tm
             first.wait()
     assert result.returncode == 0, result.output
     assert "done after step" in result.stdout
+
+
+# Where a hang happens: inside the compiled step, before the first step, after the last one.
+
+
+@pytest.mark.parametrize(("nproc", "rank"), [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_a_worker_blocked_in_a_host_callback_inside_the_step_is_blamed(
+    tmp_path, marker, nproc, rank
+):
+    """On main, rank 0 (waiting in the collective) was blamed, with its stack as the cause."""
+    out = run_faulty(nproc, "callback", rank, tmp_path, marker)
+    assert out.returncode == 1, out.output
+    cause = root_cause(out)
+    assert f"root cause: rank {rank} (local rank {rank}," in cause
+    assert "blocked in a host callback (faulty.py, line" in cause
+    assert "in block_in_callback" in cause.split("its Python stack when it hung", 1)[1]
+    table = cause.split("where every worker was when the hang was found:", 1)[1]
+    rows = [line.split() for line in table.splitlines()[2 : 2 + nproc]]
+    assert [row[:2] for row in rows] == [[str(r), "3"] for r in range(nproc)]
+    assert HANG_TIMEOUT <= seconds_to_exit(out, tmp_path) < HANG_TIMEOUT + BOUND
+
+
+@pytest.mark.parametrize("hook", ["default", pytest.param("allreduce", marks=pytest.mark.slow)])
+def test_a_worker_that_never_reaches_its_first_step_is_named(tmp_path, marker, hook):
+    """Rank 0 waits in its first step: at the shared-memory set-up (the default hook), or
+    in XLA's all-reduce. On main, nothing noticed: rank 0 waited for the store's 300 s."""
+    out = launch(
+        ["--nproc-per-node", "2", "--grace-period", "0.5", "--hang-timeout", "5"],
+        "faulty.py",
+        ["absent", 1, 0, tmp_path],
+        marker,
+        timeout=120,
+        **({"FAULTY_COMM_HOOK": hook} if hook != "default" else {}),
+    )
+    assert out.returncode == 1, out.output
+    cause = root_cause(out)
+    assert "root cause: rank 1 (local rank 1," in cause
+    assert "hung: it did not reach its first step for" in cause
+    assert "while rank(s) 0 waited" in cause
+    assert 5 <= seconds_to_exit(out, tmp_path) < 5 + BOUND
+
+
+@pytest.mark.parametrize(
+    ("mode", "hook"),
+    [
+        ("latecompile", "allreduce"),
+        pytest.param("late", "allreduce", marks=pytest.mark.slow),
+        pytest.param("late", "default", marks=pytest.mark.slow),
+    ],
+)
+def test_a_late_and_slow_compile_is_not_a_hang(tmp_path, marker, mode, hook):
+    """Rank 1 calls the step 3 s after its peers, then traces for 12 s more, past the 10 s
+    --hang-timeout: at its first step (`late`) or at step 4, which every rank compiles
+    again for a new batch size (`latecompile`).
+
+    On main, rank 0's wait after its step 3 counted: "rank 0 hung" (`latecompile`); at
+    the first step main watched nothing yet, and these cases guard that the wait now
+    seen there (rank 0 inside step 1, or at the shared-memory set-up) is not a hang.
+    """
+    out = launch(
+        ["--nproc-per-node", "2", "--grace-period", "0.5", "--hang-timeout", "10"],
+        "faulty.py",
+        [mode, 1, 3, tmp_path],
+        marker,
+        timeout=180,
+        **({"FAULTY_COMM_HOOK": hook} if hook != "default" else {}),
+    )
+    assert out.returncode == 0, out.output
+    assert "hung" not in out.output
+    assert all(f"rank {r} done after step 5" in out.stdout for r in (0, 1))
+
+
+def test_the_exit_after_the_last_step_is_not_a_hang(tmp_path, marker):
+    """Rank 0 takes 8 s to exit, 4 x the --hang-timeout, after its last step.
+
+    On main: "rank 0 hung: it completed no step for 2.0 s after its step 5", and every
+    worker warned ResourceWarning (its stack file left open).
+    """
+    out = run_faulty(2, "slowexit", 0, tmp_path, marker, step=8)
+    assert out.returncode == 0, out.output
+    assert "hung" not in out.output
+    assert all(f"rank {r} done after step 5" in out.stdout for r in (0, 1))
+    assert "ResourceWarning" not in out.output

@@ -397,6 +397,54 @@ def test_the_watchdog_blames_the_stopped_worker_then_the_one_behind(tmp_path, ma
         sleeper.communicate()
 
 
+def _beat(path, entered, finished, flag="-", writes=1, waiting=""):
+    path.write_text(f"{entered} {finished} {flag} {writes} {waiting}\n")
+
+
+def test_the_watchdog_names_a_worker_absent_while_a_peer_waits_never_a_slow_compile(tmp_path):
+    from fdp.launch._watchdog import Watchdog
+
+    beats = {r: tmp_path / f"rank_{r}.heartbeat" for r in (0, 1)}
+    dog = Watchdog(0.3, [(r, os.getpid(), str(p)) for r, p in beats.items()])
+    _beat(beats[0], 1, 0, "c")  # rank 0 compiles its first step; rank 1 has not begun one
+    dog.check({0, 1})
+    time.sleep(0.4)
+    assert dog.check({0, 1}) is None  # compiling (however long) waits for no one
+    _beat(beats[0], 1, 0, "c", 2, "store key 'host/1'")  # now it waits for its peers
+    dog.check({0, 1})
+    time.sleep(0.4)
+    hang = dog.check({0, 1})
+    assert hang is not None
+    assert (hang.rank, hang.steps, hang.stopped) == (1, 0, False)
+    assert hang.describe().startswith("hung: it did not reach its first step for 0.")
+    assert "while rank(s) 0 waited at store key 'host/1'" in hang.describe()
+    assert [row.split()[:2] for row in hang.table] == [["rank", "steps"], ["0", "0"], ["1", "0"]]
+
+
+def test_the_watchdog_never_takes_compiling_or_the_exit_for_a_hang(tmp_path):
+    from fdp.launch._watchdog import Watchdog
+
+    beats = {r: tmp_path / f"rank_{r}.heartbeat" for r in (0, 1)}
+    dog = Watchdog(0.3, [(r, os.getpid(), str(p)) for r, p in beats.items()])
+    _beat(beats[0], 1, 1)  # rank 0 finished its first step and waits for rank 1's...
+    _beat(beats[1], 1, 0, "c")  # ...which is still compiling
+    dog.check({0, 1})
+    time.sleep(0.4)
+    assert dog.check({0, 1}) is None
+    _beat(beats[0], 5, 5, "x", 2)  # both ran their last step, and their scripts returned
+    _beat(beats[1], 5, 5, "x", 2)
+    dog.check({0, 1})
+    time.sleep(0.4)
+    assert dog.check({0, 1}) is None
+    _beat(beats[1], 5, 5, "-", 3)  # one is still in its script: a pause, then a hang
+    dog.check({0, 1})
+    time.sleep(0.4)
+    hang = dog.check({0, 1})
+    assert hang is not None
+    assert (hang.rank, hang.steps) == (1, 5)
+    assert hang.describe().startswith("hung: it completed no step for 0.")
+
+
 def test_every_host_of_a_multi_node_run_gets_the_same_run_id():
     common = ["--nnodes", "2", "--master-addr", "h", "--master-port", "29500", "t.py"]
     node0, node1 = parse("--node-rank", "0", *common), parse("--node-rank", "1", *common)
