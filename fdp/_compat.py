@@ -1,10 +1,11 @@
 """Every read of JAX's and XLA's internals, in one place, failing closed.
 
 fdp relies on a few things JAX does not promise to keep: where a value's type
-records the mesh axes it varies over, the primitive ``jax.grad`` sums a
-replicated value's gradient with, the size of a jitted function's cache, the
-name of XLA:CPU's all-reduce combiner pass, the parameter names of a few jaxpr
-primitives, and the coordination-service client. Each is read here and nowhere
+records the mesh axes it varies over (and those its explicit sharding splits it
+over), the primitive ``jax.grad`` sums a replicated value's gradient with, the
+size of a jitted function's cache, the name of XLA:CPU's all-reduce combiner
+pass, the parameter names of a few jaxpr primitives, and the coordination-service
+client. Each is read here and nowhere
 else, and each read checks what it finds: a JAX release that renames or moves one
 of them makes fdp raise :class:`JaxCompatibilityError`, naming the JAX version,
 instead of silently doing the wrong thing (for the varying axes, silently
@@ -186,6 +187,31 @@ def has_auto_reduction(jaxpr: Any) -> bool:
             "fdp.reduce_gradients (its replicas would drift apart)",
         )
     return _contains_primitive(jaxpr, AUTO_REDUCTION_PRIMITIVE)
+
+
+# -- the mesh axes a value's type shards it over (explicit sharding) ------------------------
+
+
+def sharded_axes(x: Any) -> tuple[str, ...] | None:
+    """The mesh axes ``x``'s type shards it over (explicit axes), or None if unreadable.
+
+    Under explicit mesh axes the sharding is part of a value's type
+    (``float32[2,4@s,4]``: ``jax.typeof(x).sharding.spec``); with automatic axes
+    the spec is all None. A caller that must not touch sharded values treats
+    None (a JAX that keeps the sharding elsewhere) as sharded.
+    """
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is None:
+        return None
+    axes: list[str] = []
+    for entry in spec:
+        if entry is None:
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if not all(isinstance(n, str) for n in names):
+            return None
+        axes.extend(n for n in names if n not in axes)
+    return tuple(axes)
 
 
 # -- a jitted function's cache size (recompilation detection in runtime stats) -----------

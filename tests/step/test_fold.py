@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from flax.training.train_state import TrainState
 
 import fdp
 from fdp.step._config import StepConfig
-from fdp.step._fold import fold_leading_dims
+from fdp.step._fold import NESTED, SHARDED, FoldCount, count_folds, fold_leading_dims
 
 
 def _dots(jaxpr) -> list[tuple]:
@@ -151,3 +153,43 @@ def test_step_with_folded_dots_equals_the_step_without():
             state, _ = step(state, fdp.shard_batch(batch, mesh))
         results.append(jax.device_get(state.params))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *results)
+
+
+def test_a_loss_with_a_sharded_sequence_runs_and_is_left_alone(caplog):
+    """On main, fold_dots raised ShardingTypeError: reshape float32[2,4@s,4] -> (8,4)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "s"))  # explicit axes
+    x = np.random.default_rng(4).normal(size=(4, 4, 4)).astype(np.float32)
+    w0 = np.random.default_rng(5).normal(size=(4, 3)).astype(np.float32)
+
+    def loss(p, b):
+        b = jax.sharding.reshard(b, P(None, "s"))  # the sequence split over "s"
+        return jnp.mean(jnp.tanh(b @ p["w"]))
+
+    got = []
+    for fold in (True, False):
+        state = fdp.TrainState.create(apply_fn=None, params={"w": w0}, tx=optax.sgd(0.1))
+        step = fdp.train_step(loss, mesh=mesh, fold_dots=fold)
+        with jax.set_mesh(mesh), caplog.at_level(logging.INFO, logger="fdp"):
+            batch = jax.device_put(x, NamedSharding(mesh, P("data", "s")))
+            new, _ = step(fdp.replicate(state, mesh), batch)
+        got.append(np.asarray(new.params["w"]))
+    assert "left as written: 1 an operand sharded over explicit mesh axes" in caplog.text
+    # numpy, one device, the whole batch: d mean(tanh(x w)) / dw
+    x2 = x.reshape(-1, 4).astype(np.float64)
+    grad = x2.T @ (1 - np.tanh(x2 @ w0) ** 2) / (x2.shape[0] * 3)
+    for params in got:
+        np.testing.assert_allclose(params, w0 - 0.1 * grad, rtol=1e-5, atol=1e-6)
+
+
+def test_count_folds_names_what_it_left():
+    def fn(w, x):
+        h = jnp.tanh(x @ w)  # folded
+        h = jax.checkpoint(lambda h: jnp.tanh(h @ w))(h)  # not entered
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=2)[0].sum()
+
+    count = count_folds(fn, jnp.ones((4, 4)), jnp.ones((2, 3, 4)))
+    assert count == FoldCount(folded=1, left={NESTED: 2})
+    assert SHARDED not in count.left
