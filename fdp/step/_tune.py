@@ -1,10 +1,10 @@
 """Choosing ``bucket_cap_mb`` and ``layout`` by timing the step (Horovod autotune's job).
 
 :func:`tune` compiles the step at a few candidate caps and layouts, times the distinct
-programs in interleaved rounds on copies of the state (one copy per distinct state shape, shared
-by the candidates of that shape, each released as soon as no candidate left uses it;
-a short screening of all, then a
-longer race between DDP's default and the fastest few), and returns the fastest, keeping
+programs in interleaved rounds (a short screening of all, then a longer race between
+DDP's default and the fastest few) on copies of the state (one per distinct state
+shape, shared by the candidates of that shape and released as soon as no candidate
+left uses it), and returns the fastest, keeping
 DDP's default unless another candidate beats it by more than ``margin``. Results are
 cached per model signature, batch, mesh, platform and step settings, in this process.
 ``fdp.train_step(bucket_cap_mb="auto")`` does the same at its first call.
