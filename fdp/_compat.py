@@ -195,12 +195,15 @@ def has_auto_reduction(jaxpr: Any) -> bool:
 def sharded_axes(x: Any) -> tuple[str, ...] | None:
     """The mesh axes ``x``'s type shards it over (explicit axes), or None if unreadable.
 
+    ``x`` is a value (an array or tracer) or a jaxpr variable.
+
     Under explicit mesh axes the sharding is part of a value's type
     (``float32[2,4@s,4]``: ``jax.typeof(x).sharding.spec``); with automatic axes
     the spec is all None. A caller that must not touch sharded values treats
     None (a JAX that keeps the sharding elsewhere) as sharded.
     """
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    aval = x.aval if isinstance(x, jex.Var | jex.Literal) else jax.typeof(x)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
     if spec is None:
         return None
     axes: list[str] = []

@@ -172,7 +172,8 @@ def reduce_step(
     if config.zero_stage >= 3:
         params = gather_params(params, plan.buckets, axis, n)
     out = local_gradients(
-        fold_leading_dims(objective) if config.fold_dots else objective,
+        # A loss with nothing to fold (its dense layers in a scan) is left alone.
+        fold_leading_dims(objective) if plan.folds and plan.folds.folded else objective,
         vary(params, axis),
         batch,
         buffers,

@@ -67,12 +67,13 @@ class FoldCount(NamedTuple):
 
     Attributes:
       folded: products computed as 2-D matrix products.
-      left: ``{reason: count}`` of dense products left as written (``SHARDED``),
-        and of sub-programs holding products it does not enter (``NESTED``).
+      left: ``(reason, count)`` pairs: dense products left as written
+        (``SHARDED``), and sub-programs holding products it does not enter
+        (``NESTED``). A tuple, so that a count can sit in a hashable plan.
     """
 
     folded: int
-    left: dict[str, int]
+    left: tuple[tuple[str, int], ...] = ()
 
 
 def _dense_layout(eqn: Any, lhs_shape: Sequence[int], rhs_shape: Sequence[int]) -> Any:
@@ -173,12 +174,38 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], seen: Any) -> 
 
 
 def _count(seen: Any) -> FoldCount:
-    return FoldCount(seen["folded"], {k: v for k, v in sorted(seen.items()) if k != "folded"})
+    left = tuple((k, v) for k, v in sorted(seen.items()) if k != "folded")
+    return FoldCount(seen["folded"], left)
+
+
+def _count_in(jaxpr: Any, seen: Any) -> None:
+    for eqn in jaxpr.eqns:
+        inner = _compat.inlinable_call(eqn)
+        if inner is not None:
+            _count_in(inner.jaxpr, seen)
+        elif eqn.primitive is jex_primitives.dot_general_p and _dense_layout(
+            eqn, eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+        ):
+            seen[_refusal(*eqn.invars[:2]) or "folded"] += 1
+        elif _holds_dots(eqn):
+            seen[NESTED] += 1
+
+
+def count_in_jaxpr(jaxpr: Any) -> FoldCount:
+    """What :func:`fold_leading_dims` does with a function of this jaxpr, read from its types.
+
+    The step reads it from the jaxpr of the loss it already traces for its plan
+    (``StepPlan.folds``): ``describe`` and the INFO log show it, and a loss with
+    nothing to fold is not wrapped at all (no second pass over its equations).
+    """
+    seen: Any = collections.Counter()
+    _count_in(jaxpr, seen)
+    return _count(seen)
 
 
 def _log(count: FoldCount) -> None:
-    left = ", ".join(f"{n} {why}" for why, n in count.left.items())
-    log = logger.info if SHARDED in count.left else logger.debug
+    left = ", ".join(f"{n} {why}" for why, n in count.left)
+    log = logger.info if SHARDED in dict(count.left) else logger.debug
     log(
         "fdp fold_dots: %d dense product(s) folded to 2-D%s",
         count.folded,
@@ -195,12 +222,9 @@ def count_folds(fun: Callable[..., Any], *args: Any) -> FoldCount:
       ...     h = x @ w  # folded
       ...     return jax.lax.scan(lambda c, _: (c @ w, None), h, None, length=2)[0].sum()
       >>> count_folds(f, jnp.ones((2, 3, 4)), jnp.ones((4, 4)))
-      FoldCount(folded=1, left={'inside a scan, remat, cond or custom_vjp': 1})
+      FoldCount(folded=1, left=(('inside a scan, remat, cond or custom_vjp', 1),))
     """
-    closed = jax.make_jaxpr(fun)(*args)
-    seen: Any = collections.Counter()
-    jax.eval_shape(lambda *a: _eval(closed.jaxpr, closed.consts, a, seen), *jax.tree.leaves(args))
-    return _count(seen)
+    return count_in_jaxpr(jax.make_jaxpr(fun)(*args).jaxpr)
 
 
 def fold_leading_dims(fun: Callable[..., Any]) -> Callable[..., Any]:
