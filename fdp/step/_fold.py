@@ -26,13 +26,12 @@ What is not folded, and stays exactly as written:
   is a reshape JAX refuses without an output sharding, and choosing one would
   move data; such products are left alone, and the reason logged;
 - products inside other sub-programs (``scan``, ``remat``/``checkpoint``,
-  ``cond``, ``custom_vjp``): the function is still traced to a jaxpr and
-  evaluated again (a second pass over its equations at each trace of the step,
-  not at each step: the compiled program is that of ``fun``), for no gain. A
-  model whose dense layers all sit in a ``scan`` is better off with
-  ``fold_dots=False``; :func:`count_folds` tells.
+  ``cond``, ``custom_vjp``), which are bound as traced.
 
-The step applies it on CPU meshes (``StepConfig.fold_dots``); other platforms
+The step applies it on CPU meshes (``StepConfig.fold_dots``), and only to a
+loss with something to fold: its plan counts the products from the loss's jaxpr
+(:func:`count_in_jaxpr`, ``StepPlan.folds``, shown in the INFO log), so a model
+whose dense layers all sit in a ``scan`` is traced as written. Other platforms
 were not measured. At each trace it logs (logger ``"fdp"``, DEBUG; INFO when
 products were left alone for their sharding) how many products it folded.
 
