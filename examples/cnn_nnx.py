@@ -66,7 +66,7 @@ def loss_fn(model: CNN, batch: dict) -> tuple[jax.Array, dict]:
     return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
 
 
-@fdp.ddp  # evaluation, data-parallel: the test set is split over the devices
+@fdp.ddp(batch_argnums=2)  # evaluation, data-parallel: the test set is split over the devices
 def eval_step(model: CNN, metrics: nnx.MultiMetric, batch: dict) -> None:
     logits = model(batch["x"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()

@@ -1,9 +1,11 @@
 """Every read of JAX's and XLA's internals, in one place, failing closed.
 
 fdp relies on a few things JAX does not promise to keep: where a value's type
-records the mesh axes it varies over, the size of a jitted function's cache, the
-name of XLA:CPU's all-reduce combiner pass, the parameter names of a few jaxpr
-primitives, and the coordination-service client. Each is read here and nowhere
+records the mesh axes it varies over (and those its explicit sharding splits it
+over), the primitive ``jax.grad`` sums a replicated value's gradient with, the
+size of a jitted function's cache, the name of XLA:CPU's all-reduce combiner
+pass, the parameter names of a few jaxpr primitives, and the coordination-service
+client. Each is read here and nowhere
 else, and each read checks what it finds: a JAX release that renames or moves one
 of them makes fdp raise :class:`JaxCompatibilityError`, naming the JAX version,
 instead of silently doing the wrong thing (for the varying axes, silently
@@ -15,7 +17,9 @@ oldest and the newest).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import threading
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -58,13 +62,14 @@ def _raw_varying_axes(x: Any) -> frozenset[str] | None:
     return None
 
 
-def _varying_axes_are_readable() -> bool:
+def _probe_varying_axes() -> bool:
     """Whether ``axis_index`` inside a replication-checked shard_map reads as varying.
 
     ``axis_index`` varies over its axis by definition; if fdp cannot see that, it
-    cannot see anything (a renamed field), and must not guess. Run once, at
-    import: it traces (2 ms on CPU) on an abstract mesh, so it starts no backend,
-    and it must not run inside another shard_map's trace.
+    cannot see anything (a renamed field), and must not guess. It traces (1-2 ms
+    on CPU) on an abstract mesh, so it starts no backend; it must not run inside
+    another shard_map's trace or under ``jax.set_mesh`` (their context mesh
+    refuses the probe's), which :func:`_varying_axes_readable` sees to.
     """
     mesh = jax.sharding.AbstractMesh((1,), ("fdp_probe",))
     seen: list[frozenset[str] | None] = []
@@ -82,7 +87,24 @@ def _varying_axes_are_readable() -> bool:
     return bool(seen) and seen[0] is not None and "fdp_probe" in seen[0]
 
 
-_VARYING_AXES_READABLE = _varying_axes_are_readable()
+@functools.cache
+def _varying_axes_readable() -> bool:
+    """:func:`_probe_varying_axes`, run once, at the first use rather than at import.
+
+    The first use is inside a step's trace, so the probe runs on a thread of its
+    own: JAX keeps the trace and the context mesh per thread, and a new thread
+    starts with neither.
+    """
+    return _on_fresh_thread(_probe_varying_axes)
+
+
+def _on_fresh_thread(probe: Callable[[], bool]) -> bool:
+    """``probe()`` on a thread of its own (no enclosing trace or context mesh there)."""
+    result: list[bool] = []
+    worker = threading.Thread(target=lambda: result.append(probe()), name="fdp-compat-probe")
+    worker.start()
+    worker.join()
+    return bool(result) and result[0]
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -91,7 +113,7 @@ def varying_axes(x: Any) -> frozenset[str]:
     Raises:
       JaxCompatibilityError: this JAX records them somewhere fdp does not read.
     """
-    if not _VARYING_AXES_READABLE:
+    if not _varying_axes_readable():
         raise _broken(
             "the mesh axes a value varies over",
             "neither aval.manual_axis_type.varying nor aval.vma shows that axis_index varies "
@@ -100,6 +122,99 @@ def varying_axes(x: Any) -> frozenset[str]:
             "reduce twice",
         )
     return _raw_varying_axes(x) or frozenset()
+
+
+# -- the sum that jax.grad inserts by itself (fdp.ddp's missing-reduction check) --------
+
+AUTO_REDUCTION_PRIMITIVE = "psum_invariant"
+"""The primitive ``jax.grad`` emits to sum the cotangent of a replicated value.
+
+Inside a replication-tracking ``shard_map`` (``check_vma=True``), the gradient
+of a value that is the same on every device is summed over the axis by JAX
+itself, with this primitive (read from jax 0.10.2's jaxprs).
+"""
+
+
+def _contains_primitive(jaxpr: Any, name: str) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            return True
+        for sub in jex.jaxprs_in_params(eqn.params):
+            inner = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
+            if isinstance(inner, jex.Jaxpr) and _contains_primitive(inner, name):
+                return True
+    return False
+
+
+def _probe_auto_reduction() -> bool:
+    """Whether the gradient of a replicated value in a checked shard_map shows the primitive."""
+    mesh = jax.sharding.AbstractMesh((2,), ("fdp_probe",))
+    spec = jax.sharding.PartitionSpec
+
+    def body(w: jax.Array, x: jax.Array) -> jax.Array:
+        return jax.grad(lambda w: (w * x).sum())(w)
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec(), spec("fdp_probe")), out_specs=spec(), check_vma=True
+    )
+    try:
+        f32 = jax.numpy.float32
+        closed = jax.make_jaxpr(mapped)(
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((2,), f32)
+        )
+    except Exception:  # an API change breaks the probe itself: also unreadable
+        return False
+    return _contains_primitive(closed.jaxpr, AUTO_REDUCTION_PRIMITIVE)
+
+
+@functools.cache
+def _auto_reduction_readable() -> bool:
+    return _on_fresh_thread(_probe_auto_reduction)
+
+
+def has_auto_reduction(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or one inside it) sums a replicated value's gradient by itself.
+
+    Raises:
+      JaxCompatibilityError: this JAX writes that sum with another primitive, so
+        its absence from ``jaxpr`` would prove nothing.
+    """
+    if not _auto_reduction_readable():
+        raise _broken(
+            "the sum jax.grad inserts for a replicated value inside jax.shard_map",
+            f"the gradient of a replicated value shows no {AUTO_REDUCTION_PRIMITIVE!r} "
+            "equation; fdp.ddp looks for it to tell a step that forgot "
+            "fdp.reduce_gradients (its replicas would drift apart)",
+        )
+    return _contains_primitive(jaxpr, AUTO_REDUCTION_PRIMITIVE)
+
+
+# -- the mesh axes a value's type shards it over (explicit sharding) ------------------------
+
+
+def sharded_axes(x: Any) -> tuple[str, ...] | None:
+    """The mesh axes ``x``'s type shards it over (explicit axes), or None if unreadable.
+
+    ``x`` is a value (an array or tracer) or a jaxpr variable.
+
+    Under explicit mesh axes the sharding is part of a value's type
+    (``float32[2,4@s,4]``: ``jax.typeof(x).sharding.spec``); with automatic axes
+    the spec is all None. A caller that must not touch sharded values treats
+    None (a JAX that keeps the sharding elsewhere) as sharded.
+    """
+    aval = x.aval if isinstance(x, jex.Var | jex.Literal) else jax.typeof(x)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if spec is None:
+        return None
+    axes: list[str] = []
+    for entry in spec:
+        if entry is None:
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if not all(isinstance(n, str) for n in names):
+            return None
+        axes.extend(n for n in names if n not in axes)
+    return tuple(axes)
 
 
 # -- a jitted function's cache size (recompilation detection in runtime stats) -----------

@@ -5,6 +5,8 @@ JaxCompatibilityError naming the JAX version, instead of carrying on (for the
 varying axes, carrying on would reduce gradients twice: N-fold gradients).
 """
 
+import subprocess
+import sys
 import types
 
 import jax
@@ -20,12 +22,52 @@ from fdp import _compat
 VERSION = rf"jax {jax.__version__}"
 
 
-def test_the_import_time_probe_reads_varying_axes_on_this_jax():
-    assert _compat._VARYING_AXES_READABLE is True
+def test_the_probes_read_this_jax():
+    assert _compat._varying_axes_readable() is True
+    assert _compat._auto_reduction_readable() is True
+
+
+def test_the_probes_hold_inside_a_trace_and_under_a_context_mesh():
+    """Run first inside a step's trace, they must not see its mesh (they run on a thread)."""
+    seen = []
+
+    def body(x):
+        seen.append(
+            (
+                _compat._on_fresh_thread(_compat._probe_varying_axes),
+                _compat._on_fresh_thread(_compat._probe_auto_reduction),
+            )
+        )
+        return x
+
+    mesh = jax.make_mesh((8,), ("data",))
+    with jax.set_mesh(mesh):
+        spec = jax.sharding.PartitionSpec()
+        jax.make_jaxpr(jax.shard_map(body, in_specs=spec, out_specs=spec))(jnp.ones(8))
+    # (Run in place, jax 0.10.2 refuses the probe's mesh: it is not the context mesh.)
+    assert seen == [(True, True)]
+
+
+IMPORT = """
+import sys
+import fdp
+from fdp import _compat
+print(_compat._varying_axes_readable.cache_info().currsize,
+      _compat._auto_reduction_readable.cache_info().currsize,
+      sorted(m for m in sys.modules if m.startswith("orbax")))
+"""
+
+
+def test_import_fdp_traces_no_probe_and_leaves_orbax_alone():
+    """On main, `import fdp` traced the varying-axes probe and imported orbax (~150 ms)."""
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.split("\n")[-2] == "0 0 []", out.stdout + out.stderr
 
 
 def test_unreadable_varying_axes_stop_the_step_before_it_runs(monkeypatch):
-    monkeypatch.setattr(_compat, "_VARYING_AXES_READABLE", False)
+    monkeypatch.setattr(_compat, "_varying_axes_readable", lambda: False)
     state = fdp.replicate(make_state("mlp", "sgd"))
     step = fdp.train_step(cross_entropy(state.apply_fn), donate=False)
     with pytest.raises(_compat.JaxCompatibilityError, match=f"{VERSION}.*reduce twice"):
@@ -34,7 +76,20 @@ def test_unreadable_varying_axes_stop_the_step_before_it_runs(monkeypatch):
 
 def test_a_renamed_aval_field_is_what_the_probe_catches(monkeypatch):
     monkeypatch.setattr(_compat, "_raw_varying_axes", lambda x: None)
-    assert _compat._varying_axes_are_readable() is False
+    assert _compat._probe_varying_axes() is False
+
+
+def test_a_renamed_auto_reduction_stops_fdp_ddp_naming_jax(monkeypatch):
+    monkeypatch.setattr(_compat, "AUTO_REDUCTION_PRIMITIVE", "psum_invariant_renamed")
+    assert _compat._probe_auto_reduction() is False
+    monkeypatch.setattr(_compat, "_auto_reduction_readable", _compat._probe_auto_reduction)
+
+    @fdp.ddp(batch_argnums=1)
+    def step(w, x):  # forgets fdp.reduce_gradients: only the primitive would tell
+        return w - jax.grad(lambda w: jnp.mean(x @ w))(w)
+
+    with pytest.raises(_compat.JaxCompatibilityError, match=f"{VERSION}.*psum_invariant_renamed"):
+        step(jnp.ones(2), np.ones((8, 2), np.float32))
 
 
 def test_the_step_is_exact_with_the_field_read(monkeypatch):

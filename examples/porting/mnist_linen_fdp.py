@@ -39,7 +39,7 @@ class CNN(nn.Module):
         return x
 
 
-@fdp.ddp
+@fdp.ddp(batch_argnums=(1, 2))
 def apply_model(state, images, labels):
     """Computes gradients, loss and accuracy for a single batch."""
 

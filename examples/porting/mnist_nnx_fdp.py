@@ -52,7 +52,7 @@ def loss_fn(model: CNN, rngs: nnx.Rngs | None, batch):
     return loss, logits
 
 
-@fdp.ddp
+@fdp.ddp(batch_argnums=4)
 def train_step(model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, rngs, batch):
     """Train for a single step."""
     grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
@@ -62,7 +62,7 @@ def train_step(model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, r
     optimizer.update(model, grads)  # In-place updates.
 
 
-@fdp.ddp
+@fdp.ddp(batch_argnums=2)
 def eval_step(model: CNN, metrics: nnx.MultiMetric, batch):
     loss, logits = loss_fn(model, None, batch)
     metrics.update(loss=loss, logits=logits, labels=batch["label"])  # In-place updates.

@@ -65,7 +65,9 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
 def shm_where_possible(timeout: float = 300.0) -> CommHook:
     """The default hook as a step binds it on CPU processes of one host.
 
-    DDP's mean (named ``allreduce``): each float32 or float64 bucket is summed as
+    DDP's mean, named ``shm_where_possible`` (not ``allreduce``: logs, ``describe``
+    and the DETAIL check show which transport a step was bound to): each float32
+    or float64 bucket is summed as
     :func:`shm_allreduce` sums it, once the processes have agreed at the first
     step that they can (every process on one host, a C++ compiler, room in
     ``/dev/shm`` for the largest bucket, ``FDP_SHM_ALLREDUCE`` not ``0`` in any
@@ -76,7 +78,7 @@ def shm_where_possible(timeout: float = 300.0) -> CommHook:
     Example:
       >>> hook = shm_where_possible()
       >>> hook.name, hook.vma_safe
-      ('allreduce', False)
+      ('shm_where_possible', False)
     """
     shm, xla = shm_allreduce(timeout), allreduce()
 
@@ -87,4 +89,4 @@ def shm_where_possible(timeout: float = 300.0) -> CommHook:
             return shm.reduce(state, bucket)
         return xla.reduce(state, bucket)
 
-    return CommHook("allreduce", stateless_init, reduce, vma_safe=False)
+    return CommHook("shm_where_possible", stateless_init, reduce, vma_safe=False)

@@ -9,7 +9,6 @@ import threading
 from typing import Any, NamedTuple
 
 import jax
-import orbax.checkpoint as ocp
 
 from fdp.runtime import _ckpt_files, _ckpt_tree
 from fdp.runtime._host import barrier, broadcast_object
@@ -111,6 +110,8 @@ class CheckpointManager:
         self.directory = os.path.abspath(os.fspath(directory))
         self.async_save = bool(async_save)
         self._max_to_keep = max_to_keep
+        import orbax.checkpoint as ocp  # here, not at the top: `import fdp` stays cheap
+
         options = ocp.CheckpointManagerOptions(
             # fdp deletes old steps itself (_complete): Orbax would delete them as
             # soon as it has published the new step, before fdp has checksummed it,
@@ -190,6 +191,8 @@ class CheckpointManager:
             json.dumps(position)
         except TypeError as e:
             raise TypeError(f"data_position must be JSON-serialisable: {e}.") from None
+        import orbax.checkpoint as ocp  # imported by __init__ already
+
         from fdp.data import _grain
 
         _ckpt_tree.refuse_optimizer_alone(state)
@@ -450,6 +453,8 @@ class CheckpointManager:
 
     def _restore_iterator(self, iterator: Any, step: int) -> None:
         """Sets ``iterator`` to the state this process saved in ``step`` (grain's handler)."""
+        import orbax.checkpoint as ocp  # imported by __init__ already
+
         from fdp.data import _grain
 
         try:
@@ -467,6 +472,8 @@ class CheckpointManager:
             ) from e
 
     def _restore(self, template: Any, step: int, data_iterator: Any) -> Restored:
+        import orbax.checkpoint as ocp  # imported by __init__ already
+
         # fdp's checks come before anything is set or loaded; grain's own (the same
         # pipeline?) when it sets the iterator, before the arrays are loaded.
         if data_iterator is not None:

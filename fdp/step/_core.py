@@ -170,7 +170,8 @@ def reduce_step(
     axis = config.axis_name
     tracked = config.find_unused_parameters
     n = config.num_replicas
-    objective = fold_leading_dims(objective) if config.fold_dots else objective
+    # A loss with nothing to fold (its dense layers in a scan) is left alone.
+    objective = fold_leading_dims(objective) if plan.folds and plan.folds.folded else objective
     per_use = config.gathers_per_use
     dims = bucket_shard_dims(plan.buckets, n)
     if per_use:  # gathered inside the forward and again in the backward pass

@@ -1,9 +1,10 @@
 """``fdp.ddp``: your own step function made data-parallel, in place of ``jax.jit`` / ``nnx.jit``.
 
 The adoption path for code that already has a step: keep the function, put
-``@fdp.ddp`` where ``@jax.jit`` (or ``@nnx.jit``) was, and reduce the gradients
-with ``grads = fdp.reduce_gradients(grads)`` right after taking them. Batch
-arguments are split over the data axis, everything else is replicated, and the
+``@fdp.ddp(batch_argnums=...)`` where ``@jax.jit`` (or ``@nnx.jit``) was, and
+reduce the gradients with ``grads = fdp.reduce_gradients(grads)`` right after
+taking them. The arguments at ``batch_argnums`` are split over the data axis,
+everything else is replicated (nothing is guessed from shapes), and the
 function runs once per device on its share (``jax.shard_map`` with pmap's
 semantics: ``jax.grad`` gives per-device gradients and fdp's bucketed mean is the
 one reduction).
@@ -33,13 +34,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from fdp import _compat
 from fdp.collectives import broadcast, is_varying
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
@@ -68,24 +69,6 @@ def _is_node(x: Any) -> bool:
 def _is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _looks_like_batch(x: Any) -> bool:
-    """An array, or a dict/list/tuple of arrays sharing one leading size, not a key."""
-    if _is_node(x):
-        return False
-
-    def plain(t: Any) -> bool:
-        if isinstance(t, dict):
-            return all(plain(v) for v in t.values())
-        if isinstance(t, list | tuple) and type(t) in (list, tuple):
-            return all(plain(v) for v in t)
-        return isinstance(t, np.ndarray | jax.Array) and not _is_key(t)
-
-    leaves = jax.tree.leaves(x)
-    if not leaves or not plain(x) or any(np.ndim(v) == 0 for v in leaves):
-        return False
-    return len({np.shape(v)[0] for v in leaves}) == 1
 
 
 def _metric_leaves(nodes: tuple, state: Any) -> tuple[bool, ...]:
@@ -135,23 +118,6 @@ def _apply_rule(rule: str, x: Any, old: Any, axis: AxisName) -> Any:
     return broadcast(x, 0, axis_name=axis)
 
 
-def _has_auto_reduction(jaxpr: Any) -> bool:
-    """Whether a jaxpr (or one inside it) sums gradients over an axis by itself.
-
-    ``jax.grad`` of replicated values inside a replication-tracking ``shard_map``
-    does, with ``psum_invariant``.
-    """
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "psum_invariant":
-            return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, list | tuple) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jex.Jaxpr) and _has_auto_reduction(inner):
-                    return True
-    return False
-
-
 class DDPFunction:
     """A step function made data-parallel by :func:`fdp.ddp`; call it as the function."""
 
@@ -160,13 +126,13 @@ class DDPFunction:
         fn: Callable[..., Any],
         mesh: Mesh | None,
         axis_name: AxisName,
-        batch_argnums: Sequence[int] | None,
+        batch_argnums: tuple[int, ...],
     ):
         self.fn = fn
         functools.update_wrapper(self, fn)
         self._mesh = mesh
         self._axis_name = axis_name
-        self._batch_argnums = None if batch_argnums is None else tuple(batch_argnums)
+        self._batch_argnums = batch_argnums
         self._layouts: dict[Any, _Layout] = {}
         self._jitted: Any = None
         try:
@@ -246,7 +212,7 @@ class DDPFunction:
             )(keys, state, others)
         finally:
             REDUCTION_TRACE.reset(token)
-        if trace.calls == 0 and _has_auto_reduction(closed.jaxpr):
+        if trace.calls == 0 and _compat.has_auto_reduction(closed.jaxpr):
             raise ValueError(
                 f"fdp.ddp: {getattr(self.fn, '__name__', 'the step')} takes gradients but "
                 "never calls fdp.reduce_gradients, so each device would apply the gradient of "
@@ -290,11 +256,24 @@ class DDPFunction:
     # -- the call -------------------------------------------------------------------------
 
     def _batch_flags(self, args: tuple, node_positions: tuple[int, ...]) -> tuple[bool, ...]:
-        if self._batch_argnums is not None:
-            chosen = {i % len(args) for i in self._batch_argnums}
-            return tuple(i in chosen and i not in node_positions for i in range(len(args)))
-        # The first argument is the state (a TrainState, parameters, a model), never split.
-        return tuple(i > 0 and _looks_like_batch(a) for i, a in enumerate(args))
+        """Per argument: whether ``batch_argnums`` names it (checked against ``args``)."""
+        chosen = set()
+        for i in self._batch_argnums:
+            if not -len(args) <= i < len(args):
+                raise ValueError(
+                    f"fdp.ddp: batch_argnums={self._batch_argnums} names position {i}, but "
+                    f"{getattr(self.fn, '__name__', 'the step')} was called with "
+                    f"{len(args)} positional arguments."
+                )
+            if i % len(args) in node_positions:
+                raise ValueError(
+                    f"fdp.ddp: batch_argnums={self._batch_argnums} names "
+                    f"{self._name(i % len(args))}, an NNX object ("
+                    f"{type(args[i]).__name__}); NNX objects are replicated and updated in "
+                    "place. Name only the batch arguments."
+                )
+            chosen.add(i % len(args))
+        return tuple(i in chosen for i in range(len(args)))
 
     def _check_batch(self, args: tuple, batch: tuple[bool, ...]) -> None:
         n = check_axis(self.mesh, self._axis_name)
@@ -308,8 +287,8 @@ class DDPFunction:
                         f"fdp.ddp: {self._name(i)} is split over the {n} devices of axis "
                         f"{self._axis_name!r}, but {jax.tree_util.keystr(path) or 'it'} "
                         f"has shape {tuple(np.shape(leaf))}: its leading (batch) size must be a "
-                        f"multiple of {n}. Use such a batch size, or pass batch_argnums= to "
-                        "fdp.ddp naming only the arguments to split."
+                        f"multiple of {n}. Use such a batch size, or leave the argument out of "
+                        f"batch_argnums={self._batch_argnums} (it is then replicated)."
                     )
 
     def __call__(self, *args: Any) -> Any:
@@ -349,6 +328,34 @@ class DDPFunction:
         return jax.tree.unflatten(layout.out_treedef, list(out_leaves))
 
 
+def _check_batch_argnums(batch_argnums: Any, fn: Callable[..., Any]) -> tuple[int, ...]:
+    """``batch_argnums`` as a tuple of ints; an error naming it (and ``fn``'s arguments) else."""
+    name = getattr(fn, "__name__", "step")
+    try:
+        params = ", ".join(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = "..."
+    if batch_argnums is None:
+        raise TypeError(
+            f"fdp.ddp: batch_argnums is required: name the positions of {name}({params})'s "
+            "arguments to split over the data axis, e.g. @fdp.ddp(batch_argnums=(1, 2)) for "
+            "step(state, images, labels) or @fdp.ddp(batch_argnums=1) for step(state, batch); "
+            "every other argument is replicated. (fdp.ddp no longer guesses the batches from "
+            "their shapes: a replicated table with one row per device was split.)"
+        )
+    nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    if (
+        isinstance(batch_argnums, bool)
+        or not isinstance(nums, tuple | list)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in nums)
+    ):
+        raise TypeError(
+            "fdp.ddp: batch_argnums must be an int or a tuple of ints (positions of "
+            f"{name}({params})'s arguments to split), got {batch_argnums!r}."
+        )
+    return tuple(nums)
+
+
 def ddp(
     fn: Callable[..., Any] | None = None,
     *,
@@ -365,46 +372,50 @@ def ddp(
     ``nnx.MultiMetric``, ``nnx.Rngs``) are updated in place, as ``nnx.jit`` does,
     and random keys draw different numbers on each device.
 
-    Which arguments are split over the data axis: with ``batch_argnums`` those;
-    otherwise every argument after the first that is an array, or a
-    dict/list/tuple of arrays of one leading size (a batch), and not an NNX
-    object or a random key. Everything else (the first argument, a
-    ``TrainState``, a model) is replicated. How each output
-    comes back (the same on every device, gathered along the batch, averaged or
+    The arguments at ``batch_argnums`` are split over the data axis (their leaves'
+    leading size must be a multiple of the number of devices); every other
+    argument is replicated, whatever its shape: a lookup table, a ``TrainState``,
+    a model. There is no default: which argument is the batch is the one thing
+    fdp cannot tell from the arguments (an earlier version guessed from shapes
+    and split a replicated table of one row per device). How each output comes
+    back (the same on every device, gathered along the batch, averaged or
     summed) is described in the module docs and in docs/porting.md.
 
     Args:
-      fn: the step function (also usable as ``@fdp.ddp(mesh=...)``).
+      fn: the step function (also usable as ``@fdp.ddp(batch_argnums=...)``).
       mesh: the mesh (default: all devices on one ``'data'`` axis), made at the
         first call.
       axis_name: the data axis of ``mesh``.
-      batch_argnums: positions of the arguments to split over the data axis.
+      batch_argnums: the position (an int) or positions (a tuple) of the
+        arguments to split over the data axis; negative positions count from
+        the end. Required.
 
     Returns:
       The data-parallel function, called with the same arguments as ``fn``.
 
     Raises:
-      ValueError: (at a call) a batch does not split over the devices, or ``fn``
+      TypeError: ``batch_argnums`` is missing or not an int or tuple of ints.
+      ValueError: (at a call) a batch does not split over the devices,
+        ``batch_argnums`` names a missing argument or an NNX object, or ``fn``
         takes gradients without calling ``fdp.reduce_gradients``.
 
     Example:
       >>> import jax, jax.numpy as jnp
       >>> import fdp
-      >>> @fdp.ddp
-      ... def step(w, x):
+      >>> @fdp.ddp(batch_argnums=1)
+      ... def step(w, x, table):
       ...     loss, grads = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
       ...     grads = fdp.reduce_gradients(grads)
-      ...     return w - 0.1 * grads, loss
-      >>> w, loss = step(jnp.ones(2), jnp.arange(16.0).reshape(8, 2))
-      >>> round(float(loss), 2), w.shape
-      (309.0, (2,))
+      ...     return w - 0.1 * grads, loss, table.sum()
+      >>> w, loss, total = step(jnp.ones(2), jnp.arange(16.0).reshape(8, 2), jnp.arange(1.0, 9.0))
+      >>> round(float(loss), 2), w.shape, float(total)
+      (309.0, (2,), 36.0)
     """
-    if isinstance(batch_argnums, int):
-        batch_argnums = (batch_argnums,)
     if fn is None:
         return functools.partial(ddp, mesh=mesh, axis_name=axis_name, batch_argnums=batch_argnums)
     if not callable(fn):
         raise TypeError(f"fdp.ddp: fn must be callable, got {type(fn).__name__}.")
+    nums = _check_batch_argnums(batch_argnums, fn)
     if mesh is not None:
         check_axis(mesh, axis_name)
-    return DDPFunction(fn, mesh, axis_name, batch_argnums)
+    return DDPFunction(fn, mesh, axis_name, nums)

@@ -12,6 +12,7 @@ import numpy as np
 
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.step._config import StepConfig
+from fdp.step._fold import FoldCount, count_in_jaxpr
 from fdp.step._ready import ready_order_of
 from fdp.step._state import hook_is_stateful
 from fdp.step._usage import ParamUsage, key_paths_of, trace_loss, usage_of, warn_if_unused
@@ -30,14 +31,17 @@ class StepPlan:
         ``find_unused_parameters``, the unused ones are in no bucket).
       usage: how each parameter leaf takes part in the loss (from its jaxpr).
       rows: the global batch size the step runs on (padding included).
+      folds: what ``fold_dots`` does with the loss's dense products (None when
+        it is off), read from the loss's jaxpr.
     """
 
     buckets: BucketPlan
     usage: ParamUsage
     rows: int
+    folds: FoldCount | None = None
 
     def _key(self) -> tuple:
-        return (self.buckets, self.usage, self.rows)
+        return (self.buckets, self.usage, self.rows, self.folds)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, StepPlan) and self._key() == other._key())
@@ -111,4 +115,5 @@ def _prepare(
     if not hook_is_stateful(config, buckets):
         order = ready_order_of(closed.jaxpr, len(paths))
         buckets = plan_for(param_structs, *caps, exclude, order=order)
-    return StepPlan(buckets, usage, rows)
+    folds = count_in_jaxpr(closed.jaxpr) if config.fold_dots else None
+    return StepPlan(buckets, usage, rows, folds)

@@ -1,8 +1,10 @@
 """Choosing ``bucket_cap_mb`` and ``layout`` by timing the step (Horovod autotune's job).
 
 :func:`tune` compiles the step at a few candidate caps and layouts, times the distinct
-programs in interleaved rounds on copies of the state (a short screening of all, then a
-longer race between DDP's default and the fastest few), and returns the fastest, keeping
+programs in interleaved rounds (a short screening of all, then a longer race between
+DDP's default and the fastest few) on copies of the state (one per distinct state
+shape, shared by the candidates of that shape and released as soon as no candidate
+left uses it), and returns the fastest, keeping
 DDP's default unless another candidate beats it by more than ``margin``. Results are
 cached per model signature, batch, mesh, platform and step settings, in this process.
 ``fdp.train_step(bucket_cap_mb="auto")`` does the same at its first call.
@@ -21,6 +23,8 @@ import jax
 from fdp.data._abstract import is_abstract
 from fdp.observe._debug import logger
 from fdp.runtime._memory import release_free_memory
+from fdp.step._linen import DataParallelStep
+from fdp.step._nnx import NNXDataParallelStep
 
 DEFAULT_CAPS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
 DEFAULT_LAYOUTS: tuple[str, ...] = ("auto", "flat", "leaves")
@@ -122,9 +126,57 @@ def _slowest(times: list[float]) -> list[float]:
     return [max(ts) for ts in zip(*gathered, strict=True)]
 
 
+class _States:
+    """The candidates' states: one copy per distinct shape, shared by its candidates.
+
+    Every candidate computes the same update (only the buckets differ), so
+    candidates whose states agree in structure, shapes, dtypes and shardings
+    advance one copy in turn; a stateful hook whose state follows the buckets, or
+    ZeRO's sharding, gives a candidate a copy of its own. A copy goes as soon as
+    no candidate left uses it.
+    """
+
+    def __init__(self) -> None:
+        self._pool: dict[tuple, Any] = {}
+        self._home: dict[tuple[float, str], tuple] = {}
+
+    def add(self, cand: tuple[float, str], state: Any, shape: tuple) -> None:
+        self._home[cand] = shape
+        self._pool.setdefault(shape, state)  # an equal shape held already: ``state`` is dropped
+
+    def keep(self, cands: Sequence[tuple[float, str]]) -> None:
+        self._home = {c: self._home[c] for c in cands}
+        self._pool = {k: v for k, v in self._pool.items() if k in self._home.values()}
+
+    def copies(self) -> int:
+        return len(self._pool)
+
+    def __getitem__(self, cand: tuple[float, str]) -> Any:
+        return self._pool[self._home[cand]]
+
+    def __setitem__(self, cand: tuple[float, str], state: Any) -> None:
+        self._pool[self._home[cand]] = state
+
+
+def _shape_of(tree: Any) -> tuple:
+    """Structure, shapes, dtypes and shardings of ``tree``: what decides a step's program."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (
+        treedef,
+        tuple(
+            (
+                getattr(x, "shape", None),
+                str(getattr(x, "dtype", type(x))),
+                getattr(x, "sharding", None),
+            )
+            for x in leaves
+        ),
+    )
+
+
 def _time_rounds(
     steps_of: dict[tuple[float, str], Any],
-    states: dict[tuple[float, str], Any],
+    states: _States,
     cands: list[tuple[float, str]],
     rounds: int,
     steps: int,
@@ -133,7 +185,8 @@ def _time_rounds(
     """Median seconds per step of each of ``cands`` over ``rounds`` interleaved rounds.
 
     Each round runs ``steps`` steps of every candidate, in an order rotated by one
-    each round; ``states`` holds each candidate's state copy and is advanced in place.
+    each round; ``states`` holds each candidate's state (a :class:`_States`) and is
+    advanced in place.
     """
     times: dict[tuple[float, str], list[float]] = {c: [] for c in cands}
     for r in range(rounds):
@@ -192,7 +245,8 @@ def tune(
       layouts: candidate layouts (``"auto"``, ``"flat"``, ``"leaves"``).
       steps: steps per timed round.
       rounds: timed rounds (each runs every distinct program once, rotating order).
-      warmup: untimed steps of each program first.
+      warmup: untimed steps of each program first (one runs in any case: it
+        compiles the program and shows the shape of the state it keeps).
       margin: the fraction by which a candidate must beat the default to replace it.
       finalists: programs in the race, the default included (1: no race; the
         screening decides).
@@ -258,6 +312,7 @@ def _tune(
     make_step: Callable[..., Any],
     copy: Callable[[Any], Any],
     step_kwargs: dict[str, Any],
+    shape_of: Callable[[Any], tuple] = _shape_of,
 ) -> TuneResult:
     """:func:`tune` for any step called ``step(state, batch, *extra) -> (state, metrics)``."""
     if is_abstract((state, batch)):
@@ -309,12 +364,20 @@ def _tune(
     agreed = _same_everywhere([[list(k), list(v)] for k, v in same.items()])
     same = {(float(k[0]), str(k[1])): (float(v[0]), str(v[1])) for k, v in agreed}
     timed = [c for c in candidates if same[c] == c]
+    for cand in set(candidates) - set(timed):
+        del steps_of[cand]  # a twin's step (and its jitted program) goes now
 
-    states = {c: copy(state) for c in timed}
+    # One untimed step at least (it compiles the program), on a copy of the state; the
+    # copy is kept only where no candidate before had a state of that shape.
+    states = _States()
     for cand in timed:
-        for _ in range(warmup):
-            states[cand], _ = steps_of[cand](states[cand], batch, *extra)
-        jax.block_until_ready(states[cand])
+        warm = copy(state)
+        for _ in range(max(warmup, 1)):
+            warm, _ = steps_of[cand](warm, batch, *extra)
+        jax.block_until_ready(warm)
+        states.add(cand, warm, shape_of(warm))
+        del warm
+    logger.debug("fdp.tune: %d state copies for %d timed programs", states.copies(), len(timed))
     args = (batch, *extra)
     step_s = _time_rounds(steps_of, states, timed, rounds, steps, args)
     # The race: the default and the fastest others of the screening, timed for longer
@@ -323,12 +386,13 @@ def _tune(
     finals = [_DEFAULT, *others[: finalists - 1]]
     finals = [(float(c), str(lay)) for c, lay in _same_everywhere([list(c) for c in finals])]
     for cand in set(timed) - set(finals):
-        del states[cand], steps_of[cand]
+        del steps_of[cand]
+    states.keep(finals)
     race_s = {}
     if len(finals) > 1 and race_rounds:
         race_s = _time_rounds(steps_of, states, finals, race_rounds, steps, args)
     decided = race_s or step_s
-    states.clear()
+    states.keep(())
     steps_of.clear()
     # The candidates' state copies were a one-off peak: with fdp's malloc tuning glibc
     # would keep it mapped for the whole run (measured: RSS 1.2 GiB against 0.57).
@@ -355,82 +419,103 @@ def _tune(
     return result
 
 
-class _AutoTuned:
-    """A step that tunes its bucket cap and layout at its first call, then is that step.
+def tuned_step(
+    loss_fn: Callable[..., Any],
+    state: Any,
+    batch: Any,
+    extra: tuple = (),
+    *,
+    make_step: Callable[..., Any],
+    candidate: Callable[[Any], Any] = lambda step: step,
+    copy: Callable[[Any], Any] = _copy,
+    shape_of: Callable[[Any], tuple] = _shape_of,
+    **step_kwargs: Any,
+) -> tuple[Any, TuneResult]:
+    """Tunes with :func:`tune`'s defaults; returns the chosen step, built, and the table.
 
-    Until the first call (or ``lower``) there is no chosen step, so ``config``,
-    ``plan`` and the other step attributes exist only afterwards.
+    Args:
+      loss_fn: the loss.
+      state: what the candidates start from (copied, never donated).
+      batch: a batch.
+      extra: the step's other arguments after the batch.
+      make_step: the step factory (:func:`fdp.train_step`, :func:`fdp.nnx_train_step`).
+      candidate: how a built step is called as ``(state, batch, *extra) -> (state, _)``.
+      copy: copies ``state`` for a candidate.
+      shape_of: what decides whether two candidates' states can be one copy.
+      **step_kwargs: the step's other settings (``stats`` included); a
+        ``layout`` other than ``"auto"`` stays, ``"auto"`` lets tuning choose.
+
+    Returns:
+      ``(step, result)``: ``make_step(loss_fn, **step_kwargs, **result.kwargs())``
+      and the :class:`TuneResult`.
+    """
+    skip = ("bucket_cap_mb", "layout", "stats")
+    settings = {k: v for k, v in step_kwargs.items() if k not in skip}
+    layout = step_kwargs.get("layout", "auto")
+    result = _tune(
+        loss_fn,
+        state,
+        batch,
+        extra,
+        caps=DEFAULT_CAPS,
+        layouts=DEFAULT_LAYOUTS if layout == "auto" else (layout,),
+        steps=STEPS,
+        rounds=ROUNDS,
+        warmup=WARMUP,
+        margin=MARGIN,
+        finalists=FINALISTS,
+        race_rounds=RACE_ROUNDS,
+        make_step=lambda loss, **kw: candidate(make_step(loss, **kw)),
+        copy=copy,
+        step_kwargs=settings,
+        shape_of=shape_of,
+    )
+    return make_step(loss_fn, **{**step_kwargs, **result.kwargs()}), result
+
+
+class _TunesAtFirstCall:
+    """What the auto-tuned steps add to their step class: tuning at the first call.
+
+    The object is the step class's own instance from the start, at DDP's default
+    cap (``config`` says so: ``bucket_cap_mb=25.0``); the first call (or
+    ``lower``) tunes on copies and then re-initialises it with the chosen cap and
+    layout, before anything was compiled or placed for it.
     """
 
-    _builder = "fdp.train_step"  # named in errors
+    _step_class: Any  # DataParallelStep or NNXDataParallelStep
+    tuned: TuneResult | None
 
-    def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
-        self._loss_fn = loss_fn
+    def _start(
+        self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], kwargs: Any
+    ) -> None:
+        self._raw_loss = loss_fn
         self._make_step = make_step
-        self._kwargs = kwargs
-        self._step: Any = None
-        self.tuned: TuneResult | None = None
+        self._settings = dict(kwargs)
+        self.tuned = None
+        # Built at the default cap now: every other setting is checked when built.
+        self._become(make_step(loss_fn, **{**kwargs, "bucket_cap_mb": _DEFAULT[0]}))
 
-    def _chosen(
-        self,
-        state: Any,
-        batch: Any,
-        extra: tuple,
-        make_step: Callable[..., Any],
-        copy: Callable[[Any], Any],
-    ) -> Any:
-        """The chosen step, tuned on ``state`` the first time."""
-        if self._step is None:
-            skip = ("bucket_cap_mb", "layout", "stats")
-            settings = {k: v for k, v in self._kwargs.items() if k not in skip}
-            # A layout the user named stays; "auto" lets tuning choose among all three.
-            layout = self._kwargs.get("layout", "auto")
-            self.tuned = _tune(
-                self._loss_fn,
-                state,
-                batch,
-                extra,
-                caps=DEFAULT_CAPS,
-                layouts=DEFAULT_LAYOUTS if layout == "auto" else (layout,),
-                steps=STEPS,
-                rounds=ROUNDS,
-                warmup=WARMUP,
-                margin=MARGIN,
-                finalists=FINALISTS,
-                race_rounds=RACE_ROUNDS,
-                make_step=make_step,
-                copy=copy,
-                step_kwargs=settings,
-            )
-            self._step = self._make_step(self._loss_fn, **{**self._kwargs, **self.tuned.kwargs()})
-        return self._step
+    def _become(self, step: Any) -> None:
+        stats = self._settings.get("stats", False)
+        self._step_class.__init__(self, step.loss_fn, step._config, stats)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or self.__dict__.get("_step") is None:
-            raise AttributeError(
-                f"{self._builder}(bucket_cap_mb='auto') has no {name!r} before its first call "
-                "(or .lower()): the bucket cap is chosen then."
-            )
-        return getattr(self._step, name)
-
-
-class AutoTunedStep(_AutoTuned):
-    """``fdp.train_step(bucket_cap_mb="auto")``: tunes at its first call, then is that step.
-
-    Until the first call (or :meth:`lower`) there is no chosen step, so ``config``,
-    ``plan`` and the other step attributes exist only afterwards.
-    """
-
-    def _ensure(self, state: Any, batch: Any, rng: Any, mask: Any) -> Any:
-        return self._chosen(state, batch, (rng, mask), self._make_step, _copy)
-
-    def __call__(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
-        """Tunes (first call only), then runs the chosen step."""
-        return self._ensure(state, batch, rng, mask)(state, batch, rng, mask)
-
-    def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
-        """Tunes (if not yet), then lowers the chosen step."""
-        return self._ensure(state, batch, rng, mask).lower(state, batch, rng, mask)
+    def _tune_once(
+        self, state: Any, batch: Any, extra: tuple, candidate: Any, copy: Any, shape_of: Any
+    ) -> None:
+        if self.tuned is not None:
+            return
+        chosen, self.tuned = tuned_step(
+            self._raw_loss,
+            state,
+            batch,
+            extra,
+            make_step=self._make_step,
+            candidate=candidate,
+            copy=copy,
+            shape_of=shape_of,
+            **self._settings,
+        )
+        self._become(chosen)
 
 
 class _PairStep:
@@ -454,25 +539,57 @@ def _copy_nnx(pair: tuple) -> tuple:
     return nnx.merge(graphdef, _copy(state))
 
 
-class AutoTunedNNXStep(_AutoTuned):
-    """``fdp.nnx_train_step(bucket_cap_mb="auto")``: tunes at its first call, then is that step.
+def _nnx_shape_of(pair: tuple) -> tuple:
+    from flax import nnx
+
+    return _shape_of(nnx.state(pair))
+
+
+class AutoTunedStep(_TunesAtFirstCall, DataParallelStep):
+    """``fdp.train_step(bucket_cap_mb="auto")``: a :class:`fdp.DataParallelStep` that tunes.
+
+    Until its first call (or :meth:`lower`) it is the step at DDP's default cap
+    (``config.bucket_cap_mb == 25.0``); that call times the candidates on copies
+    of the state (:func:`fdp.tune`), and from then on it is the chosen step
+    (``tuned`` holds the table).
+    """
+
+    _step_class = DataParallelStep
+
+    def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
+        self._start(loss_fn, make_step, kwargs)
+
+    def __call__(
+        self, state: Any, batch: Any, rng: Any = None, mask: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Tunes (first call only), then runs the chosen step."""
+        self._tune_once(state, batch, (rng, mask), lambda step: step, _copy, _shape_of)
+        return super().__call__(state, batch, rng, mask)
+
+    def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
+        """Tunes (if not yet), then lowers the chosen step."""
+        self._tune_once(state, batch, (rng, mask), lambda step: step, _copy, _shape_of)
+        return super().lower(state, batch, rng, mask)
+
+
+class AutoTunedNNXStep(_TunesAtFirstCall, NNXDataParallelStep):
+    """``fdp.nnx_train_step(bucket_cap_mb="auto")``: a :class:`fdp.NNXDataParallelStep` that tunes.
 
     The candidates run on copies of the model and optimizer; the caller's objects
     change only when the chosen step runs on them.
     """
 
-    _builder = "fdp.nnx_train_step"
+    _step_class = NNXDataParallelStep
 
-    def _ensure(self, model: Any, optimizer: Any, batch: Any, mask: Any) -> Any:
-        def make_step(loss_fn: Callable[..., Any], **kwargs: Any) -> _PairStep:
-            return _PairStep(self._make_step(loss_fn, **kwargs))
-
-        return self._chosen((model, optimizer), batch, (mask,), make_step, _copy_nnx)
+    def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
+        self._start(loss_fn, make_step, kwargs)
 
     def __call__(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
         """Tunes (first call only), then runs the chosen step in place."""
-        return self._ensure(model, optimizer, batch, mask)(model, optimizer, batch, mask)
+        self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
+        return super().__call__(model, optimizer, batch, mask)
 
     def lower(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
         """Tunes (if not yet), then lowers the chosen step."""
-        return self._ensure(model, optimizer, batch, mask).lower(model, optimizer, batch, mask)
+        self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
+        return super().lower(model, optimizer, batch, mask)

@@ -1,5 +1,7 @@
 """fdp.ddp: your own step, data-parallel, equals the same step on one device on the whole batch."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,9 @@ import fdp
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(32, 6)).astype(np.float32)
 Y = RNG.integers(0, 4, size=32).astype(np.int32)
+# The batch is the last argument of every step below (apply_model takes two: images, labels).
+DDP_LAST = functools.partial(fdp.ddp, batch_argnums=-1)
+DDP_LINEN = functools.partial(fdp.ddp, batch_argnums=(1, 2))
 
 
 def linen_steps(decorate, reduce):
@@ -58,7 +63,7 @@ def test_linen_step_matches_one_device_on_the_whole_batch():
     RNG.bit_generator.state = np.random.default_rng(1).bit_generator.state
     ref_params, ref = linen_run(jax.jit, lambda g: g)
     RNG.bit_generator.state = np.random.default_rng(1).bit_generator.state
-    params, got = linen_run(fdp.ddp, fdp.reduce_gradients)
+    params, got = linen_run(DDP_LINEN, fdp.reduce_gradients)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
     for (loss, acc, logits), (rl, ra, rlog) in zip(got, ref, strict=True):
         np.testing.assert_allclose(loss, rl, rtol=1e-5)
@@ -115,7 +120,7 @@ def nnx_run(decorate, reduce):
 
 def test_nnx_step_with_metrics_inside_matches_one_device():
     ref_params, ref_train, ref_test, ref_steps = nnx_run(nnx.jit, lambda g: g)
-    params, train, test, steps = nnx_run(fdp.ddp, fdp.reduce_gradients)
+    params, train, test, steps = nnx_run(DDP_LAST, fdp.reduce_gradients)
     chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-6)
     assert steps == ref_steps == 2
     for got, want in ((train, ref_train), (test, ref_test)):
@@ -129,7 +134,7 @@ def test_nnx_rngs_passed_as_an_argument_draw_per_device_masks():
     rngs = nnx.Rngs(dropout=1)
     drop = nnx.Dropout(0.5)
 
-    @fdp.ddp
+    @fdp.ddp(batch_argnums=1)
     def masks(rngs, x):
         return drop(x, rngs=rngs)
 
@@ -141,7 +146,7 @@ def test_nnx_rngs_passed_as_an_argument_draw_per_device_masks():
 
 
 def test_forgetting_reduce_gradients_is_an_error():
-    train_step, _ = nnx_steps(fdp.ddp, lambda g: g)
+    train_step, _ = nnx_steps(DDP_LAST, lambda g: g)
     model = Net(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
@@ -150,7 +155,7 @@ def test_forgetting_reduce_gradients_is_an_error():
 
 
 def test_a_batch_that_does_not_split_names_the_argument():
-    apply_model, _ = linen_steps(fdp.ddp, fdp.reduce_gradients)
+    apply_model, _ = linen_steps(DDP_LINEN, fdp.reduce_gradients)
     state = TrainState.create(
         apply_fn=None, params={"w": jnp.ones((6, 4)), "b": jnp.zeros(4)}, tx=optax.sgd(0.1)
     )
@@ -181,7 +186,7 @@ LAZY = """
 import jax, jax.numpy as jnp, optax
 import fdp
 
-@fdp.ddp
+@fdp.ddp(batch_argnums=1)
 def step(w, x):
     loss, g = jax.value_and_grad(lambda w: jnp.mean(x @ w))(w)
     return w - fdp.reduce_gradients(g), loss
@@ -204,7 +209,7 @@ def test_building_steps_at_module_level_starts_no_backend(marker):
 def test_a_comm_hook_inside_the_step():
     hook = fdp.hooks.resolve("bf16_compress")
 
-    @fdp.ddp
+    @fdp.ddp(batch_argnums=1)
     def step(w, x):
         loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
         g, _ = fdp.hooks.reduce_with_hook(hook, (), g, axis_name="data")
@@ -215,3 +220,41 @@ def test_a_comm_hook_inside_the_step():
     grad = 2 * x.T @ (x @ np.ones(2)) / 8  # numpy, the whole batch
     np.testing.assert_allclose(w, 1 - 0.1 * grad, rtol=1e-2)  # bf16 on the wire
     assert float(loss) == 309.0
+
+
+def table_step(w, x, table):
+    """A step with a replicated lookup table of 8 entries: 8 devices, 8 rows."""
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) * table[0]))(w)
+    return w - 0.1 * fdp.reduce_gradients(g), loss, table.sum()
+
+
+def test_only_the_named_arguments_are_split():
+    """On main, fdp.ddp guessed batches by shape: the table was split, table.sum() was 4.5."""
+    with pytest.raises(TypeError, match=r"batch_argnums is required.*table_step\(w, x, table\)"):
+        fdp.ddp(table_step)
+    table = jnp.arange(1.0, 9.0)
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    w, loss, total = fdp.ddp(table_step, batch_argnums=1)(jnp.ones(2), x, table)
+    assert float(total) == 36.0  # every device saw the whole table
+    np.testing.assert_allclose(w, 1 - 0.1 * x.mean(0), rtol=1e-6)  # numpy, the whole batch
+    np.testing.assert_allclose(loss, np.mean(x @ np.ones(2)), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("argnums", "error", "match"),
+    [
+        ("1", TypeError, r"batch_argnums must be an int or a tuple of ints.*got '1'"),
+        (True, TypeError, r"batch_argnums must be an int or a tuple of ints.*got True"),
+        ((1, 3), ValueError, r"names position 3.*called with 3 positional arguments"),
+    ],
+)
+def test_bad_batch_argnums_are_named(argnums, error, match):
+    with pytest.raises(error, match=match):
+        fdp.ddp(table_step, batch_argnums=argnums)(jnp.ones(2), X[:8, :2], jnp.ones(8))
+
+
+def test_batch_argnums_cannot_name_an_nnx_object():
+    model = Net(nnx.Rngs(0))
+    step = fdp.ddp(lambda m, x: m(x).mean(), batch_argnums=(0, 1))
+    with pytest.raises(ValueError, match=r"argument 0 \(m\), an NNX object \(Net\)"):
+        step(model, X[:16])

@@ -12,7 +12,7 @@ from flax.training.train_state import TrainState
 
 import fdp
 from fdp.step._config import StepConfig
-from fdp.step._fold import fold_leading_dims
+from fdp.step._fold import NESTED, SHARDED, FoldCount, count_folds, fold_leading_dims
 
 
 def _dots(jaxpr) -> list[tuple]:
@@ -150,4 +150,95 @@ def test_step_with_folded_dots_equals_the_step_without():
         for _ in range(3):
             state, _ = step(state, fdp.shard_batch(batch, mesh))
         results.append(jax.device_get(state.params))
+        # The INFO log says how many products were folded: q, k, v, out and 3 Dense: 7.
+        assert step.logging_data()["fold_dots_products"] == (7 if fold else None)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *results)
+
+
+def test_a_loss_with_a_sharded_sequence_runs_and_is_left_alone():
+    """On main, fold_dots raised ShardingTypeError: reshape float32[2,4@s,4] -> (8,4)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "s"))  # explicit axes
+    x = np.random.default_rng(4).normal(size=(4, 4, 4)).astype(np.float32)
+    w0 = np.random.default_rng(5).normal(size=(4, 3)).astype(np.float32)
+
+    def loss(p, b):
+        b = jax.sharding.reshard(b, P(None, "s"))  # the sequence split over "s"
+        return jnp.mean(jnp.tanh(b @ p["w"]))
+
+    got = []
+    for fold in (True, False):
+        state = fdp.TrainState.create(apply_fn=None, params={"w": w0}, tx=optax.sgd(0.1))
+        step = fdp.train_step(loss, mesh=mesh, fold_dots=fold)
+        with jax.set_mesh(mesh):
+            batch = jax.device_put(x, NamedSharding(mesh, P("data", "s")))
+            new, _ = step(fdp.replicate(state, mesh), batch)
+        got.append(np.asarray(new.params["w"]))
+        data = step.logging_data()  # the INFO log's fields
+        want = (0, {SHARDED: 1}) if fold else (None, None)
+        assert (data["fold_dots_products"], data["fold_dots_left"]) == want
+    # numpy, one device, the whole batch: d mean(tanh(x w)) / dw
+    x2 = x.reshape(-1, 4).astype(np.float64)
+    grad = x2.T @ (1 - np.tanh(x2 @ w0) ** 2) / (x2.shape[0] * 3)
+    for params in got:
+        np.testing.assert_allclose(params, w0 - 0.1 * grad, rtol=1e-5, atol=1e-6)
+
+
+def test_count_folds_names_what_it_left():
+    def fn(w, x):
+        h = jnp.tanh(x @ w)  # folded
+        h = jax.checkpoint(lambda h: jnp.tanh(h @ w))(h)  # not entered
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=2)[0].sum()
+
+    count = count_folds(fn, jnp.ones((4, 4)), jnp.ones((2, 3, 4)))
+    assert count == FoldCount(folded=1, left=((NESTED, 2),))
+
+
+class _ScannedMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        def block(mdl, h, _):
+            return nn.tanh(nn.Dense(8)(h)), None
+
+        scan = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        return scan(self, x, None)[0].sum(-1)
+
+
+def test_a_loss_with_nothing_to_fold_is_not_rewritten(monkeypatch):
+    """On main the scanned loss was traced to a jaxpr and evaluated again, for nothing."""
+    from fdp.step import _core
+
+    rewritten = []
+    monkeypatch.setattr(
+        _core, "fold_leading_dims", lambda f: rewritten.append(f) or fold_leading_dims(f)
+    )
+    model = _ScannedMLP()
+    x = np.random.default_rng(6).normal(size=(8, 5, 8)).astype(np.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(params, batch):
+        return jnp.mean(model.apply({"params": params}, batch) ** 2)
+
+    assert count_folds(loss_fn, params, x) == FoldCount(0, ((NESTED, 1),))
+    step = fdp.train_step(loss_fn, fold_dots=True)
+    state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1)))
+    new, _ = step(state, fdp.shard_batch(x))
+    assert step.logging_data()["fold_dots_products"] == 0 and rewritten == []
+    ref = jax.grad(loss_fn)(params, x)  # plain JAX, one device, the whole batch
+    jax.tree.map(
+        lambda n, p, g: np.testing.assert_allclose(n, p - 0.1 * g, rtol=1e-5, atol=1e-6),
+        jax.device_get(new.params),
+        params,
+        ref,
+    )
+    # The control: a dense product outside the scan is folded, so the loss is rewritten.
+    step = fdp.train_step(
+        lambda p, b: loss_fn(p, b) + jnp.mean(b @ jnp.ones((8, 3))), fold_dots=True
+    )
+    step(
+        fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))),
+        fdp.shard_batch(x),
+    )
+    assert len(rewritten) == 1 and step.logging_data()["fold_dots_products"] == 1
