@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     step = fdp.train_step(
         loss_fn,
-        has_aux=True,
-        accumulate_steps=args.accumulate_steps,  # DDP's no_sync: one reduction per step
-        comm_hook=args.comm_hook,
+        loss=fdp.Loss(has_aux=True),
+        # DDP's no_sync: one reduction per step of accumulate_steps micro-batches
+        accumulation=fdp.Accumulation(steps=args.accumulate_steps),
+        reduction=fdp.Reduction(comm_hook=args.comm_hook),
         buffers="broadcast",  # BatchNorm statistics: device 0's, as DDP's default
     )
     state = step.init(fdp.replicate(state))  # placed and given the hook's state

@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=nnx.Param)
     step = fdp.nnx_train_step(
         loss_fn,
-        has_aux=True,
-        accumulate_steps=args.accumulate_steps,  # DDP's no_sync: one reduction per step
-        comm_hook=args.comm_hook,
+        loss=fdp.Loss(has_aux=True),
+        # DDP's no_sync: one reduction per step of accumulate_steps micro-batches
+        accumulation=fdp.Accumulation(steps=args.accumulate_steps),
+        reduction=fdp.Reduction(comm_hook=args.comm_hook),
     )
     step.init(model, optimizer)  # placed on the mesh (and given a stateful hook's state)
 

@@ -132,10 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     step = fdp.train_step(
         loss_fn,
         mesh=mesh,
-        has_aux=True,
-        bucket_cap_mb=args.bucket_cap_mb,
-        comm_hook=hook,
-        zero_stage=args.zero_stage,
+        loss=fdp.Loss(has_aux=True),
+        reduction=fdp.Reduction(bucket_cap_mb=args.bucket_cap_mb, comm_hook=hook),
+        sharding=fdp.Sharding(zero_stage=args.zero_stage),
     )
 
     @jax.jit

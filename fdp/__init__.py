@@ -56,6 +56,10 @@ from fdp.step._linen import DataParallelStep as DataParallelStep
 from fdp.step._linen import train_step as train_step
 from fdp.step._nnx import NNXDataParallelStep as NNXDataParallelStep
 from fdp.step._nnx import nnx_train_step as nnx_train_step
+from fdp.step._policies import Accumulation as Accumulation
+from fdp.step._policies import Loss as Loss
+from fdp.step._policies import Reduction as Reduction
+from fdp.step._policies import Sharding as Sharding
 from fdp.step._state import PerDevice as PerDevice
 from fdp.step._state import TrainState as TrainState
 from fdp.step._tune import TuneResult as TuneResult
@@ -65,6 +69,7 @@ from fdp.step._usage import find_unused_parameters as find_unused_parameters
 
 __all__ = [
     "Accumulated",
+    "Accumulation",
     "BucketReport",
     "BucketRow",
     "CheckpointManager",
@@ -72,6 +77,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DATA_AXIS",
     "HOST_AXES",
+    "Loss",
     "DDPFunction",
     "DataParallelStep",
     "DebugLevel",
@@ -81,7 +87,9 @@ __all__ = [
     "NNXSyncBatchNorm",
     "ParamUsage",
     "PerDevice",
+    "Reduction",
     "Restored",
+    "Sharding",
     "StatsSchedule",
     "SyncBatchNorm",
     "TrainState",

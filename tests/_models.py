@@ -82,10 +82,9 @@ def train_tiny_buckets(model, params, tx, batches, *, hook, layout, cap_mb=0.004
     state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=tx))
     step = fdp.train_step(
         cross_entropy(model.apply),
-        comm_hook=hook,
-        layout=layout,
-        bucket_cap_mb=cap_mb,
-        first_bucket_cap_mb=cap_mb / 2,
+        reduction=fdp.Reduction(
+            comm_hook=hook, layout=layout, bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb / 2
+        ),
     )
     for batch in batches:
         state, _ = step(state, batch)

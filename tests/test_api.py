@@ -4,6 +4,11 @@ The snapshot holds every name in the ``__all__`` of fdp and its public subpackag
 each function's and class's parameters (name, kind, default) and each class's public
 methods, as they were before the step core was redesigned. Names and keyword-only
 parameters with defaults may be added; nothing recorded may disappear or change.
+
+Moved deliberately once since (issue 30): ``train_step``, ``nnx_train_step`` and
+``grad_accumulator`` take grouped policies (``fdp.Reduction``, ``fdp.Accumulation``,
+``fdp.Loss``, ``fdp.Sharding``, recorded here too) instead of flat keywords; the flat
+keywords still work for one release through ``**deprecated`` (tests/step/test_policies.py).
 """
 
 import importlib
@@ -65,7 +70,7 @@ def test_steps_still_expose_plan_usage_and_config():
         return jnp.mean(batch["x"] @ params["w"])
 
     state = fdp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
-    step = fdp.train_step(loss, bucket_cap_mb=1.0)
+    step = fdp.train_step(loss, reduction=fdp.Reduction(bucket_cap_mb=1.0))
     step(fdp.replicate(state), fdp.shard_batch({"x": jnp.ones((8, 2))}))
     assert [b.nbytes for b in step.plan.buckets] == [8]
     assert step.usage.unused == () and step.config.bucket_cap_mb == 1.0
@@ -74,3 +79,15 @@ def test_steps_still_expose_plan_usage_and_config():
     nnx_step = fdp.nnx_train_step(lambda m, b: jnp.mean(m(b["x"])))
     nnx_step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), {"x": jnp.ones((8, 2))})
     assert len(nnx_step.plan.buckets) == 1 and nnx_step.config.comm_hook.name == "allreduce"
+
+
+def test_both_steps_take_the_same_arguments():
+    """One list of arguments for both front ends: loss, where, four policies, the rest."""
+    import inspect
+
+    import fdp
+
+    linen = list(inspect.signature(fdp.train_step).parameters)
+    assert linen == list(inspect.signature(fdp.nnx_train_step).parameters)
+    assert len(linen) <= 12 and linen[-1] == "deprecated"
+    assert {"reduction", "accumulation", "loss", "sharding"} <= set(linen)

@@ -8,11 +8,13 @@ For training loops that do their own micro-batching::
         grads, _ = acc.accumulate(state, grads, micro_batch)   # no communication
     state, metrics = acc.sync(state, grads)                    # one bucketed reduction
 
-``fdp.train_step(accumulate_steps=K)`` does the same inside one compiled step.
+``fdp.train_step(accumulation=fdp.Accumulation(steps=K))`` does the same inside one
+compiled step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -25,13 +27,14 @@ from fdp.bucketing import plan_for
 from fdp.collectives import vary
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
-from fdp.hooks import CommHook, reduce_with_hook
+from fdp.hooks import reduce_with_hook
 from fdp.nn._moments import using_example_mask
 from fdp.step._batch import batch_rows, place_batch, split_mask
-from fdp.step._config import LossFn, StepConfig, StepLayout
+from fdp.step._config import LossFn, StepConfig
 from fdp.step._core import device_rng
 from fdp.step._local_grads import accum_dtype_for
 from fdp.step._loss import call_loss, check_loss_fn
+from fdp.step._policies import Accumulation, Loss, Reduction, from_keywords
 from fdp.step._state import add_device_axis, strip_device_axis
 
 
@@ -148,7 +151,8 @@ class GradAccumulator:
         if jax.tree.leaves(jax.eval_shape(lambda p: cfg.hook.init(p, plan), state.params)):
             raise ValueError(
                 f"comm hook {cfg.comm_hook.name!r} keeps state between steps, which "
-                "grad_accumulator does not carry; use fdp.train_step(accumulate_steps=...)."
+                "grad_accumulator does not carry; use "
+                "fdp.train_step(accumulation=fdp.Accumulation(steps=...))."
             )
 
         def local(state: Any, acc: Accumulated) -> tuple:
@@ -194,46 +198,54 @@ def grad_accumulator(
     *,
     mesh: Mesh | None = None,
     axis_name: AxisName = DATA_AXIS,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_cap_mb: float = 1.0,
+    reduction: Reduction | None = None,
+    accumulation: Accumulation | None = None,
+    loss: Loss | None = None,
     donate: bool = True,
-    layout: StepLayout = "auto",
-    comm_hook: CommHook | str | None = None,
-    accum_dtype: Any = None,
-    per_example: bool = False,
-    accumulate_op: str = "mean",
+    **deprecated: Any,
 ) -> GradAccumulator:
     """DDP's ``no_sync`` as two steps: a local-gradient step and a sync step.
 
     Args:
       loss_fn: ``loss_fn(params, batch[, rng])`` returning the mean loss over
-        the local batch, or one loss per example with ``per_example=True``.
+        the local batch, or one loss per example with ``Loss(per_example=True)``.
       mesh: the mesh (default: all devices on one ``'data'`` axis).
       axis_name: the data axis.
-      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB), for the sync.
-      first_bucket_cap_mb: cap of the first bucket (MiB).
-      donate: donate the state to ``sync``.
-      layout: ``'auto'``, ``'leaves'`` or ``'flat'`` (see :func:`fdp.train_step`).
-      comm_hook: a stateless comm hook for the sync (default: the mean).
-      accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
-      per_example: ``loss_fn`` returns one loss per example; ``mask=`` weighs them
-        (every real example the same, over everything accumulated).
-      accumulate_op: ``'mean'`` (default): ``sync`` applies the mean of the
+      reduction: how ``sync`` reduces (:class:`fdp.Reduction`): bucket caps,
+        layout, a stateless comm hook (default: the mean), its dtype and levels.
+      accumulation: ``dtype`` (default: float32 for 16-bit parameters) and
+        ``op``: ``'mean'`` (default): ``sync`` applies the mean of the
         accumulated gradients (of the micro-batch mean losses), so K
         micro-batches make one step on their union; ``'sum'``: their sum, as
         torch's ``no_sync`` accumulates ``.grad`` (divide your loss by K there
-        to get the mean). ``'sum'`` needs ``per_example=False``.
+        to get the mean). ``'sum'`` needs ``per_example=False``. The number of
+        micro-batches is your calls to ``accumulate`` (leave ``steps`` at 1).
+      loss: ``per_example``: ``loss_fn`` returns one loss per example;
+        ``mask=`` weighs them (every real example the same, over everything
+        accumulated). The other :class:`fdp.Loss` fields are the steps' only.
+      donate: donate the state to ``sync``.
+      **deprecated: fdp 0.1's flat keywords, for one release (see
+        :func:`fdp.train_step`).
 
     Returns:
       A :class:`GradAccumulator`.
 
     Raises:
-      ValueError: a hook whose replicas diverge; ``sync`` raises for a hook
-        that keeps state (use ``fdp.train_step(accumulate_steps=...)``).
+      ValueError: a hook whose replicas diverge, or a policy field this
+        accumulator does not apply; ``sync`` raises for a hook that keeps state
+        (use ``fdp.train_step(accumulation=...)``).
     """
-    settings = {k: v for k, v in locals().items() if k != "loss_fn"}
-    cfg = StepConfig(**settings)
-    if accumulate_op == "sum" and per_example:
+    given = {
+        "mesh": mesh,
+        "axis_name": axis_name,
+        "reduction": reduction,
+        "accumulation": accumulation,
+        "loss": loss,
+        "donate": donate,
+    }
+    cfg = StepConfig(**from_keywords("fdp.grad_accumulator", given, deprecated))
+    _check_applied(cfg)
+    if cfg.accumulate_op == "sum" and cfg.per_example:
         raise ValueError(
             "grad_accumulator(accumulate_op='sum') adds the gradients of mean losses and "
             "needs per_example=False; with per_example=True it averages over the real "
@@ -242,6 +254,29 @@ def grad_accumulator(
     if cfg.per_device_state:
         raise ValueError(
             f"comm hook {cfg.comm_hook.name!r} lets replicas diverge; grad_accumulator keeps "
-            "one replicated state. Use fdp.train_step(accumulate_steps=...) instead."
+            "one replicated state. Use fdp.train_step(accumulation=...) instead."
         )
     return GradAccumulator(check_loss_fn(loss_fn), cfg)
+
+
+# What grad_accumulator applies of each policy; any other field must keep its default.
+_APPLIED = {
+    "reduction": ("bucket_cap_mb", "first_bucket_cap_mb", "layout", "comm_hook"),
+    "accumulation": ("dtype", "op"),
+    "loss": ("per_example",),
+}
+
+
+def _check_applied(cfg: StepConfig) -> None:
+    """Refuses a policy field that grad_accumulator would otherwise ignore."""
+    for keyword, applied in _APPLIED.items():
+        policy = getattr(cfg, keyword)
+        default = type(policy)()
+        for field in dataclasses.fields(policy):
+            value = getattr(policy, field.name)
+            if field.name not in applied and value != getattr(default, field.name):
+                raise ValueError(
+                    f"grad_accumulator does not apply {type(policy).__name__}.{field.name} "
+                    f"(got {value!r}); it applies {', '.join(applied)} of {keyword}=. Use "
+                    "fdp.train_step for the rest."
+                )

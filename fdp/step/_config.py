@@ -6,31 +6,31 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from fdp import _compat
-from fdp.bucketing import cap_limits
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
-from fdp.hooks import CommHook, ModelAverager, resolve
+from fdp.hooks import CommHook, ModelAverager
 from fdp.hooks._basic import is_default, is_mean_reduce_scatter
 from fdp.hooks._contract import Layout, reduce_scatter_of
-from fdp.hooks._diloco import DiLoCo
 from fdp.hooks._reduce_dtype import reduce_in
 from fdp.hooks._shm import shm_where_possible
 from fdp.hooks._two_level import hierarchical, split_axis
-from fdp.step._zero import check_stage
+from fdp.step._policies import (
+    POLICIES,
+    Accumulation,
+    Loss,
+    Reduction,
+    Sharding,
+    StepLayout,
+)
 
-StepLayout = Literal["auto", "leaves", "flat"]
-LAYOUTS = ("auto", "leaves", "flat")
 BUFFER_MODES = ("broadcast", "mean", "local")
-ACCUMULATE_OPS = ("mean", "sum")
-WEIGHTINGS = ("example", "device")
 LossFn = Callable[..., Any]
 # buffers=fn: fn(buffers, axis_name) -> buffers, DDP's buffer comm hook.
 BufferHook = Callable[[Any, str], Any]
@@ -38,66 +38,36 @@ BufferHook = Callable[[Any, str], Any]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepConfig:
-    """The settings of a train step (:func:`fdp.train_step`'s keyword arguments).
+    """A train step's settings: where it runs, its policies, and the rules between them.
 
-    Every field is checked when the config is made, so a mistake surfaces where
-    the step is built, not at its first call. Making a config does not start
-    JAX's backend: a config without ``mesh`` (all devices) or with
-    ``layout='auto'`` is resolved by :meth:`bind` at the step's first call.
-    Being frozen and hashable, a config is a valid static argument of
-    ``jax.jit`` and a memoisation key.
+    Each policy (:class:`fdp.Reduction`, :class:`fdp.Accumulation`,
+    :class:`fdp.Loss`, :class:`fdp.Sharding`) checks its own fields; the config
+    checks what one policy cannot see alone (ZeRO against the comm hook,
+    ``hierarchical`` against the axis), so a mistake surfaces where the step is
+    built, not at its first call. Making a config does not start JAX's backend:
+    a config without ``mesh`` (all devices) or with ``layout='auto'`` is
+    resolved by :meth:`bind` at the step's first call. Being frozen and
+    hashable, a config is a valid static argument of ``jax.jit`` and a
+    memoisation key.
+
+    The policies' fields read through flat, read-only properties
+    (``config.bucket_cap_mb`` is ``config.reduction.bucket_cap_mb``): the step
+    core reads them so, and ``step.config.bucket_cap_mb`` is documented.
 
     Attributes:
       mesh: the device mesh; None for :func:`fdp.data_mesh` over all devices.
       axis_name: the data axis of ``mesh``, or a tuple of its axes (outer
         first, e.g. ``("host", "device")``) that together form the data axis.
-      bucket_cap_mb: bucket cap in MiB (DDP's ``bucket_cap_mb``).
-      first_bucket_cap_mb: first-bucket cap in MiB.
-      has_aux: the loss function returns ``(loss, aux)``.
-      donate: donate the state's buffers to the step.
-      layout: ``'auto'``, ``'leaves'`` or ``'flat'`` (see :func:`fdp.reduce_gradients`).
-      comm_hook: the comm hook, or its name, or None for the mean all-reduce.
-      model_averager: averages parameters periodically (local SGD), or None.
-      accumulate_steps: micro-batches per step (DDP's ``no_sync``).
-      accum_dtype: gradient accumulation dtype (None: float32 for 16-bit params).
-      per_example: the loss function returns one loss per example, which lets
-        batches be padded and masked.
-      find_unused_parameters: leave parameters that do not reach the loss (and
-        their optimizer state) untouched.
+      reduction: how gradients are reduced (:class:`fdp.Reduction`).
+      accumulation: micro-batches per step (:class:`fdp.Accumulation`).
+      loss: what the loss returns and how examples weigh (:class:`fdp.Loss`).
+      sharding: what is sharded over the data axis (:class:`fdp.Sharding`).
       buffers: how model state changed by the forward pass (``batch_stats``) is
         kept in step: ``'broadcast'`` from device 0, ``'mean'`` over the data
         axis, ``'local'`` (each device its own), or a function
         ``fn(buffers, axis_name) -> buffers`` run on every device (DDP's buffer
         comm hook).
-      accumulate_op: how the ``accumulate_steps`` micro-batch gradients
-        combine: ``'mean'`` (one step equals one step on the whole batch, as
-        ``optax.MultiSteps``) or ``'sum'`` (torch's ``no_sync``, which adds
-        into ``.grad``).
-      weighting: with ``per_example``, ``'example'`` (every real example weighs
-        the same: one device on the whole batch) or ``'device'`` (each device's
-        mean over its real examples counts once: DDP with different local
-        batch sizes).
-      divide_by_initial_world_size: with ``per_example``, whether devices that
-        hold rows of the batch but no real example (out of data under
-        :func:`fdp.join`) still count in the divisor, as in torch's
-        ``Join`` default.
-      zero_stage: ZeRO's stage (DeepSpeed's meaning): 0, DDP; 1, the optimizer
-        state sharded over the data axis; 2, also the reduced gradients; 3, also
-        the parameters between steps.
-      hierarchical: with ``axis_name=(outer, inner)``, reduce each bucket in
-        two levels (:func:`fdp.hooks.hierarchical`): reduce-scatter inside
-        hosts, ``comm_hook`` across hosts on ``1/inner`` of the bytes,
-        all-gather inside hosts.
-      reduce_dtype: the dtype gradients are reduced in (FSDP2's
-        ``MixedPrecisionPolicy.reduce_dtype``), None for their own. Wider than a
-        gradient (float32 for bfloat16 parameters): cast up, reduced, cast
-        back. Narrower (bfloat16 for float32): sent in it and summed in
-        float32 (:func:`fdp.hooks.compressed_allreduce`).
-      gather_aux: which ``aux`` leaves come back gathered along the batch
-        (one row per example, in the batch's order) instead of averaged over
-        devices: ``True``, those whose leading size is the local micro-batch's
-        (logits, per-example losses); ``False``, none; or a function
-        ``fn(key_path) -> bool`` naming them (``jax.tree_util.keystr`` paths).
+      donate: donate the state's buffers to the step.
       fold_dots: compute each dense product of an n-D activation (``x @ w``,
         ``nn.Dense`` on ``[batch, seq, features]``) on the activation folded to
         2-D, as ``torch.nn.Linear`` does (:mod:`fdp.step._fold`; XLA:CPU
@@ -113,7 +83,8 @@ class StepConfig:
         gather per bucket, stage 1's peak memory).
 
     Example:
-      >>> cfg = StepConfig(bucket_cap_mb=5.0, comm_hook="bf16_compress")
+      >>> from fdp import Reduction
+      >>> cfg = StepConfig(reduction=Reduction(bucket_cap_mb=5.0, comm_hook="bf16_compress"))
       >>> cfg.comm_hook.name, cfg.layout
       ('bf16_compress', 'auto')
       >>> StepConfig(buffers="sync")
@@ -125,25 +96,12 @@ class StepConfig:
 
     mesh: Mesh | None = None
     axis_name: AxisName = DATA_AXIS
-    bucket_cap_mb: float = 25.0
-    first_bucket_cap_mb: float = 1.0
-    has_aux: bool = False
-    donate: bool = True
-    layout: StepLayout = "auto"
-    comm_hook: CommHook = None  # type: ignore[assignment]  # None or a name: resolved below
-    model_averager: ModelAverager | None = None
-    accumulate_steps: int = 1
-    accum_dtype: Any = None
-    per_example: bool = False
-    find_unused_parameters: bool = False
+    reduction: Reduction = dataclasses.field(default_factory=Reduction)
+    accumulation: Accumulation = dataclasses.field(default_factory=Accumulation)
+    loss: Loss = dataclasses.field(default_factory=Loss)
+    sharding: Sharding = dataclasses.field(default_factory=Sharding)
     buffers: str | BufferHook = "broadcast"
-    accumulate_op: str = "mean"
-    weighting: str = "example"
-    divide_by_initial_world_size: bool = True
-    zero_stage: int = 0
-    hierarchical: bool = False
-    reduce_dtype: Any = None
-    gather_aux: bool | Callable[[str], bool] = True
+    donate: bool = True
     fold_dots: bool | None = None
     reshard_after_forward: bool = True
 
@@ -154,72 +112,31 @@ class StepConfig:
             check_axis(self.mesh, self.axis_name)
         else:
             axis_names_of(self.axis_name)
-        cap_limits(self.bucket_cap_mb, self.first_bucket_cap_mb)
-        # Plain floats from here on (np.float32(25) is accepted), for logs and the DETAIL check.
-        object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
-        object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(
                 f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}."
             )
+        for name, cls in POLICIES.items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise TypeError(f"{name} must be a fdp.{cls.__name__}, got {type(value).__name__}.")
+        if self.reduction.auto:
+            raise ValueError(
+                "StepConfig needs a bucket cap in MiB; bucket_cap_mb='auto' is resolved by "
+                "fdp.train_step / fdp.nnx_train_step, which time candidate caps."
+            )
         if self.fold_dots is not None and not isinstance(self.fold_dots, bool):
             raise TypeError(f"fold_dots must be True, False or None, got {self.fold_dots!r}.")
-        object.__setattr__(self, "comm_hook", resolve(self.comm_hook))
-        averager = self.model_averager
-        if averager is not None and not isinstance(averager, ModelAverager):
-            raise TypeError(
-                "model_averager must be a fdp.hooks.PeriodicModelAverager, "
-                "fdp.hooks.HierarchicalModelAverager or fdp.hooks.diloco(...), got "
-                f"{type(averager).__name__}."
-            )
-        if isinstance(averager, DiLoCo) and self.comm_hook != averager.hook:
-            if self.comm_hook.name != "allreduce":
-                raise ValueError(
-                    f"model_averager={averager.hook.name} brings its own comm hook (inner "
-                    f"steps communicate nothing); got comm_hook={self.comm_hook.name!r}. "
-                    "Leave comm_hook unset."
-                )
-            object.__setattr__(self, "comm_hook", averager.hook)
-        steps = self.accumulate_steps
-        if isinstance(steps, bool) or not isinstance(steps, int):
-            raise TypeError(f"accumulate_steps must be an int >= 1, got {steps!r}.")
-        if steps < 1:
-            raise ValueError(f"accumulate_steps must be >= 1, got {steps}.")
-        if self.accum_dtype is not None:
-            if not jnp.issubdtype(jnp.dtype(self.accum_dtype), jnp.floating):
-                raise ValueError(f"accum_dtype must be a floating dtype, got {self.accum_dtype!r}.")
-            object.__setattr__(self, "accum_dtype", np.dtype(jnp.dtype(self.accum_dtype)))
         if not callable(self.buffers) and self.buffers not in BUFFER_MODES:
             raise ValueError(
                 f"buffers must be one of {BUFFER_MODES} or a function "
                 f"fn(buffers, axis_name) -> buffers, got {self.buffers!r}."
             )
-        if self.accumulate_op not in ACCUMULATE_OPS:
-            raise ValueError(
-                f"accumulate_op must be one of {ACCUMULATE_OPS}, got {self.accumulate_op!r}."
-            )
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}.")
-        if self.weighting != "example" and not self.per_example:
-            raise ValueError(
-                f"weighting={self.weighting!r} weighs real examples per device and needs "
-                "per_example=True (a loss_fn returning one loss per example)."
-            )
-        if not (isinstance(self.gather_aux, bool) or callable(self.gather_aux)):
-            raise TypeError(
-                "gather_aux must be True, False or a function fn(key_path) -> bool, "
-                f"got {self.gather_aux!r}."
-            )
-        object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
         self._check_zero()
         self._check_reduction()
 
     def _check_reduction(self) -> None:
-        """Checks ``hierarchical`` and ``reduce_dtype`` against the rest."""
-        if not isinstance(self.hierarchical, bool):
-            raise TypeError(f"hierarchical must be a bool, got {self.hierarchical!r}.")
+        """Checks ``hierarchical`` and ``reduce_dtype`` against the axis and ZeRO."""
         if self.hierarchical:
             split_axis(self.axis_name, "hierarchical=True")
             if self.zero_stage:
@@ -227,26 +144,99 @@ class StepConfig:
                     f"hierarchical=True with zero_stage={self.zero_stage} is not supported: "
                     "ZeRO reduce-scatters over the whole data axis. Use one or the other."
                 )
-            hierarchical(self.comm_hook)  # refuses hooks whose replicas diverge
-        if self.reduce_dtype is None:
-            return
-        try:
-            dtype = np.dtype(jnp.dtype(self.reduce_dtype))
-        except TypeError:
-            dtype = None
-        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        if self.reduce_dtype is not None and self.zero_stage >= 2:
             raise ValueError(
-                "reduce_dtype must be a floating dtype (e.g. jnp.float32), got "
-                f"{self.reduce_dtype!r}."
+                f"reduce_dtype={self.reduce_dtype.name!r} sets the dtype of the default mean "
+                f"all-reduce; got zero_stage={self.zero_stage}, which reduce-scatters. With "
+                "zero_stage >= 2 leave reduce_dtype unset."
             )
-        object.__setattr__(self, "reduce_dtype", dtype)
-        if self.comm_hook.name != "allreduce" or self.zero_stage >= 2:
-            raise ValueError(
-                f"reduce_dtype={dtype.name!r} sets the dtype of the default mean all-reduce; "
-                f"got comm_hook={self.comm_hook.name!r}, zero_stage={self.zero_stage}. With a "
-                "hook, pick its dtype with the hook (bf16_compress_wrapper, "
-                "compressed_allreduce); with zero_stage >= 2 leave reduce_dtype unset."
-            )
+
+    # -- the policies' fields, read flat (the core reads these) ---------------------------
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """``reduction.bucket_cap_mb``: DDP's bucket cap in MiB."""
+        return float(self.reduction.bucket_cap_mb)
+
+    @property
+    def first_bucket_cap_mb(self) -> float:
+        """``reduction.first_bucket_cap_mb``."""
+        return self.reduction.first_bucket_cap_mb
+
+    @property
+    def layout(self) -> StepLayout:
+        """``reduction.layout``."""
+        return self.reduction.layout
+
+    @property
+    def comm_hook(self) -> CommHook:
+        """``reduction.comm_hook`` (the hook as given; :attr:`hook` is the one run)."""
+        return self.reduction.comm_hook
+
+    @property
+    def hierarchical(self) -> bool:
+        """``reduction.hierarchical``."""
+        return self.reduction.hierarchical
+
+    @property
+    def reduce_dtype(self) -> np.dtype | None:
+        """``reduction.reduce_dtype``."""
+        return self.reduction.reduce_dtype
+
+    @property
+    def model_averager(self) -> ModelAverager | None:
+        """``reduction.model_averager``."""
+        return self.reduction.model_averager
+
+    @property
+    def accumulate_steps(self) -> int:
+        """``accumulation.steps``."""
+        return self.accumulation.steps
+
+    @property
+    def accum_dtype(self) -> np.dtype | None:
+        """``accumulation.dtype``."""
+        return self.accumulation.dtype
+
+    @property
+    def accumulate_op(self) -> str:
+        """``accumulation.op``."""
+        return self.accumulation.op
+
+    @property
+    def has_aux(self) -> bool:
+        """``loss.has_aux``."""
+        return self.loss.has_aux
+
+    @property
+    def per_example(self) -> bool:
+        """``loss.per_example``."""
+        return self.loss.per_example
+
+    @property
+    def weighting(self) -> str:
+        """``loss.weighting``."""
+        return self.loss.weighting
+
+    @property
+    def divide_by_initial_world_size(self) -> bool:
+        """``loss.divide_by_initial_world_size``."""
+        return self.loss.divide_by_initial_world_size
+
+    @property
+    def gather_aux(self) -> bool | Callable[[str], bool]:
+        """``loss.gather_aux``."""
+        return self.loss.gather_aux
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """``loss.find_unused_parameters``."""
+        return self.loss.find_unused_parameters
+
+    @property
+    def zero_stage(self) -> int:
+        """``sharding.zero_stage``."""
+        return self.sharding.zero_stage
 
     @property
     def hook(self) -> CommHook:
@@ -329,9 +319,10 @@ class StepConfig:
             and hook is self.comm_hook
         ):
             return self
-        return dataclasses.replace(  # checks again
-            self, mesh=mesh, layout=layout, fold_dots=fold, comm_hook=hook
-        )
+        reduction = dataclasses.replace(self.reduction, layout=layout, comm_hook=hook)
+        return dataclasses.replace(
+            self, mesh=mesh, fold_dots=fold, reduction=reduction
+        )  # checks again
 
     def _sums_in_shared_memory(self, mesh: Mesh) -> bool:
         """Whether the default hook becomes :func:`fdp.hooks.shm_where_possible` here.
@@ -492,27 +483,49 @@ class StepConfig:
         out: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, Mesh):
-                out["mesh"] = dict(value.shape)
-                out["mesh_device_ids"] = [int(d.id) for d in value.devices.flat]
-            elif isinstance(value, CommHook):
-                out["comm_hook"] = value.name
-                out["comm_hook_flags"] = (
-                    f"replicated_output={value.replicated_output}, vma_safe={value.vma_safe}"
-                )
-            elif isinstance(value, np.dtype):
-                out[field.name] = str(value)
-            elif callable(value):  # a buffer hook: its name, the same on every process
-                out[field.name] = getattr(value, "__qualname__", type(value).__name__)
-            elif isinstance(value, tuple):  # a host x device axis_name
-                out[field.name] = list(value)
-            elif value is None or isinstance(value, str | int | float | bool):
-                out[field.name] = value
+            if field.name in POLICIES:  # flat, under fdp 0.1's names: logs read the same
+                for inner in dataclasses.fields(value):
+                    name = inner.metadata.get("old", inner.name)
+                    _describe_into(out, name, getattr(value, inner.name))
             else:
-                out[field.name] = repr(value)
+                _describe_into(out, field.name, value)
         return out
+
+
+def _describe_into(out: dict[str, Any], name: str, value: Any) -> None:
+    """``out[name]``: ``value`` as plain data (a mesh and a hook as two entries each)."""
+    if isinstance(value, Mesh):
+        out["mesh"] = dict(value.shape)
+        out["mesh_device_ids"] = [int(d.id) for d in value.devices.flat]
+    elif isinstance(value, CommHook):
+        out["comm_hook"] = value.name
+        out["comm_hook_flags"] = (
+            f"replicated_output={value.replicated_output}, vma_safe={value.vma_safe}"
+        )
+    elif isinstance(value, np.dtype):
+        out[name] = str(value)
+    elif callable(value):  # a buffer hook: its name, the same on every process
+        out[name] = getattr(value, "__qualname__", type(value).__name__)
+    elif isinstance(value, tuple):  # a host x device axis_name
+        out[name] = list(value)
+    elif value is None or isinstance(value, str | int | float | bool):
+        out[name] = value
+    else:
+        out[name] = repr(value)
 
 
 def _on_gpu(mesh: Mesh) -> bool:
     """Whether ``mesh``'s devices are GPUs (CUDA or ROCm), compile-only ones included."""
     return mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
+
+
+def config_of(settings: dict[str, Any]) -> StepConfig:
+    """The :class:`StepConfig` of a builder's settings, checked now.
+
+    With ``bucket_cap_mb="auto"`` every other setting is checked at DDP's
+    default cap; the tuner builds the steps it times from ``settings``.
+    """
+    reduction = settings["reduction"]
+    if reduction.auto:
+        settings = {**settings, "reduction": dataclasses.replace(reduction, bucket_cap_mb=25.0)}
+    return StepConfig(**settings)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -14,15 +13,15 @@ from fdp.bucketing import plan_for
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
 from fdp.data._rows import leading_size
-from fdp.hooks import CommHook, ModelAverager
 from fdp.hooks._diloco import DiLoCo
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
-from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
+from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
 from fdp.step._core import join_metrics, metrics_specs, reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
+from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
 from fdp.step._runner import StepRunner
 from fdp.step._state import (
     PerDevice,
@@ -280,27 +279,15 @@ def train_step(
     *,
     mesh: Mesh | None = None,
     axis_name: AxisName = DATA_AXIS,
-    bucket_cap_mb: float | Literal["auto"] = 25.0,
-    first_bucket_cap_mb: float = 1.0,
-    has_aux: bool = False,
-    donate: bool = True,
-    layout: StepLayout = "auto",
-    comm_hook: CommHook | str | None = None,
-    model_averager: ModelAverager | None = None,
-    accumulate_steps: int = 1,
-    accum_dtype: Any = None,
-    per_example: bool = False,
-    find_unused_parameters: bool = False,
+    reduction: Reduction | None = None,
+    accumulation: Accumulation | None = None,
+    loss: Loss | None = None,
+    sharding: Sharding | None = None,
     buffers: str | BufferHook = "broadcast",
+    donate: bool = True,
     stats: bool | StatsSchedule = False,
-    accumulate_op: str = "mean",
-    weighting: str = "example",
-    divide_by_initial_world_size: bool = True,
-    zero_stage: int = 0,
-    hierarchical: bool = False,
-    reduce_dtype: Any = None,
-    gather_aux: bool | Callable[[str], bool] = True,
     fold_dots: bool | None = None,
+    **deprecated: Any,
 ) -> DataParallelStep:
     """Builds a jitted DDP step for a ``flax.training.train_state.TrainState``.
 
@@ -319,78 +306,42 @@ def train_step(
         axes are left to the compiler, so parameters may be sharded over them.
       axis_name: the data axis of ``mesh``, or ``(outer, inner)``: two mesh
         axes taken together (a host x device mesh, :func:`fdp.data_mesh`).
-      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB), or ``"auto"``: at its first
-        call the step times a few caps and layouts (:func:`fdp.tune`) on copies
-        of the state, then runs the fastest (``step.tuned`` says which).
-      first_bucket_cap_mb: cap of the first bucket (MiB).
-      has_aux: ``loss_fn`` returns aux values, averaged over the data axis
-        (integer and bool leaves summed) into ``metrics['aux']``.
-      donate: donate the input state's buffers (it must not be used after).
-      layout: ``'auto'`` (``'flat'`` on GPUs and on CPU with several processes, else
-        ``'leaves'``), ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed
-        bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
-      comm_hook: a :class:`fdp.hooks.CommHook` or a hook name (default: the
-        mean all-reduce). Hooks with state need :class:`fdp.TrainState`.
-      model_averager: a :class:`fdp.hooks.PeriodicModelAverager` or
-        :class:`fdp.hooks.HierarchicalModelAverager` that averages parameters
-        over the data axis (or subgroups of it) periodically (post-local SGD).
-      accumulate_steps: split each device's share into this many micro-batches,
-        accumulate their gradients locally and reduce once (DDP's ``no_sync``).
-      accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
-      per_example: ``loss_fn`` returns one loss per example. Batches that do not
-        split evenly are then padded and masked, and ``step(..., mask=w)``
-        weighs examples (0 for padding); the loss is the mean over real examples.
-      find_unused_parameters: leave parameters that do not take part in the
-        loss (found from the traced program), and their optimizer state,
-        untouched; parameters used only inside a ``lax.cond`` branch are left
-        untouched in steps where no device used them.
+      reduction: how gradients are reduced (:class:`fdp.Reduction`): DDP's
+        bucket caps (or ``bucket_cap_mb="auto"``: at its first call the step
+        times a few caps and layouts with :func:`fdp.tune` on copies of the
+        state and runs the fastest; ``step.tuned`` says which), the layout, the
+        comm hook (hooks with state need :class:`fdp.TrainState`), its dtype and
+        levels, and a model averager (post-local SGD). Default: DDP's.
+      accumulation: micro-batches per step, accumulated locally and reduced
+        once (:class:`fdp.Accumulation`, DDP's ``no_sync``). Default: one.
+      loss: what ``loss_fn`` returns and how its examples weigh
+        (:class:`fdp.Loss`): aux values (averaged over the data axis into
+        ``metrics['aux']``, or gathered along the batch), one loss per example
+        (uneven batches padded and masked; ``step(..., mask=w)`` weighs
+        examples), and parameters that may not reach the loss (left
+        untouched). Default: a scalar mean loss alone.
+      sharding: what is sharded over the data axis (:class:`fdp.Sharding`):
+        ZeRO's stage. The parameters after each step equal stage 0's. See
+        docs/zero.md. Default: nothing (DDP).
       buffers: how ``state.batch_stats`` updated by the forward pass is kept:
         ``'broadcast'`` (device 0's, DDP's default), ``'mean'`` (averaged over
         the data axis), ``'local'`` (one copy per device), or a function
         ``fn(batch_stats, axis_name) -> batch_stats`` run on every device
         inside the step (DDP's buffer comm hook).
+      donate: donate the input state's buffers (it must not be used after).
       stats: sample runtime statistics (``step.stats()``) at any debug level:
         ``True`` (steps 1-10, then every 100th) or a :class:`fdp.StatsSchedule`.
         They are sampled at ``FDP_DEBUG=INFO`` and above anyway.
-      accumulate_op: how the ``accumulate_steps`` micro-batch gradients combine:
-        ``'mean'`` (default: a step equals one step on the whole batch, as
-        ``optax.MultiSteps``) or ``'sum'`` (torch's ``no_sync``, which adds
-        into ``.grad``: K times the mean's gradient).
-      weighting: with ``per_example``: ``'example'`` (default: every real
-        example weighs the same, as one device on the concatenated batch) or
-        ``'device'`` (each device's mean over its real examples counts once,
-        as DDP with different local batch sizes).
-      divide_by_initial_world_size: with ``per_example``: devices that hold
-        rows of the batch but no real example (out of data under
-        :func:`fdp.join`) still count in the divisor (default, torch's
-        ``Join``); ``False`` divides over the devices with data only.
-      zero_stage: shard over the data axis as ZeRO does (DeepSpeed's stages):
-        ``0`` DDP (everything whole on every device); ``1`` the optimizer state;
-        ``2`` also the reduced gradients (each bucket is reduce-scattered);
-        ``3`` also the parameters, which stay sharded between steps and are
-        gathered in the step where the forward pass uses them and again where
-        the backward pass does (docs/zero.md). The parameters after
-        each step equal stage 0's. See docs/zero.md.
-      hierarchical: with ``axis_name=(outer, inner)`` on a host x device mesh,
-        reduce each bucket in two levels: reduce-scatter inside hosts,
-        ``comm_hook`` across hosts on ``1/inner`` of the bytes, all-gather
-        inside hosts (:func:`fdp.hooks.hierarchical`; docs/comm-hooks.md).
-      reduce_dtype: the dtype gradients are reduced in (FSDP2's
-        ``reduce_dtype``): wider than a gradient, cast up and back; narrower,
-        sent in it and summed in float32. None: their own dtype.
-      gather_aux: which ``aux`` leaves come back gathered along the batch (one
-        row per example, in the batch's order, padding cut) instead of averaged
-        over devices: ``True`` (default), those whose leading size is the
-        local micro-batch's, such as logits; ``False``, none; or a function
-        ``fn(key_path) -> bool`` choosing them by their
-        ``jax.tree_util.keystr`` path (a chosen leaf without one row per
-        example is an error).
       fold_dots: compute dense products of n-D activations (``nn.Dense`` on
         ``[batch, seq, features]``) on the activation folded to 2-D, as
         ``torch.nn.Linear`` does; XLA:CPU otherwise transposes each weight
         gradient's operand in memory. None (default): on CPU devices only.
         Values are the same products up to the summation order (float
         rounding). See docs/performance.md.
+      **deprecated: fdp 0.1's flat keywords (``bucket_cap_mb=``,
+        ``accumulate_steps=``, ``zero_stage=``...), for one release: each sets
+        its policy's field, with a ``DeprecationWarning`` naming the new
+        spelling. CHANGELOG.md has the table.
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,
@@ -399,6 +350,7 @@ def train_step(
     Raises:
       ValueError: the mesh has no ``axis_name`` axis, a cap is not positive, an
         unknown hook name or buffer mode.
+      TypeError: an unknown keyword, or a flat keyword together with its policy.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -415,10 +367,22 @@ def train_step(
       >>> float(metrics["loss"]), [round(float(w), 4) for w in state.params["w"]]
       (1.0, [0.2, 0.2])
     """
-    settings = {k: v for k, v in locals().items() if k not in ("loss_fn", "stats")}
-    if bucket_cap_mb == "auto":
+    given = {
+        "mesh": mesh,
+        "axis_name": axis_name,
+        "reduction": reduction,
+        "accumulation": accumulation,
+        "loss": loss,
+        "sharding": sharding,
+        "buffers": buffers,
+        "donate": donate,
+        "fold_dots": fold_dots,
+    }
+    settings = from_keywords("fdp.train_step", given, deprecated)
+    cfg = config_of(settings)
+    if settings["reduction"].auto:
         from fdp.step._tune import AutoTunedStep
 
         # It stands in for the step it builds at its first call (same calls, same attributes).
         return cast(DataParallelStep, AutoTunedStep(loss_fn, train_step, **settings, stats=stats))
-    return DataParallelStep(check_loss_fn(loss_fn), StepConfig(**settings), stats)
+    return DataParallelStep(check_loss_fn(loss_fn), cfg, stats)

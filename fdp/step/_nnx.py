@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import flax.errors
 import jax
@@ -17,14 +16,14 @@ from fdp.bucketing import BucketPlan, plan_for
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, replicate
 from fdp.data._rows import leading_size
-from fdp.hooks import CommHook
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
-from fdp.step._config import BufferHook, LossFn, StepConfig, StepLayout
+from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
 from fdp.step._core import join_metrics, metrics_specs, reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
+from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
 from fdp.step._runner import StepRunner
 from fdp.step._state import (
     add_device_axis,
@@ -327,26 +326,15 @@ def nnx_train_step(
     *,
     mesh: Mesh | None = None,
     axis_name: AxisName = DATA_AXIS,
-    bucket_cap_mb: float | Literal["auto"] = 25.0,
-    first_bucket_cap_mb: float = 1.0,
-    has_aux: bool = False,
-    donate: bool = True,
-    layout: StepLayout = "auto",
-    comm_hook: CommHook | str | None = None,
-    accumulate_steps: int = 1,
-    accum_dtype: Any = None,
-    per_example: bool = False,
-    find_unused_parameters: bool = False,
+    reduction: Reduction | None = None,
+    accumulation: Accumulation | None = None,
+    loss: Loss | None = None,
+    sharding: Sharding | None = None,
     buffers: str | BufferHook = "broadcast",
+    donate: bool = True,
     stats: bool | StatsSchedule = False,
-    accumulate_op: str = "mean",
-    weighting: str = "example",
-    divide_by_initial_world_size: bool = True,
-    zero_stage: int = 0,
-    hierarchical: bool = False,
-    reduce_dtype: Any = None,
-    gather_aux: bool | Callable[[str], bool] = True,
     fold_dots: bool | None = None,
+    **deprecated: Any,
 ) -> NNXDataParallelStep:
     """Builds a jitted DDP step for a Flax NNX model and its ``nnx.Optimizer``.
 
@@ -359,56 +347,42 @@ def nnx_train_step(
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning the mean loss over the local
-        batch, or ``(loss, aux)`` with ``has_aux=True``.
+        batch, or ``(loss, aux)`` with ``loss=fdp.Loss(has_aux=True)``.
       mesh: the mesh (default: all devices on one ``'data'`` axis).
       axis_name: the data axis of ``mesh``, or ``(outer, inner)``: two mesh
         axes taken together (a host x device mesh, :func:`fdp.data_mesh`).
-      bucket_cap_mb: DDP's ``bucket_cap_mb`` (MiB), or ``"auto"``: at its first
-        call the step times candidate caps and layouts on copies of the model
-        and optimizer and keeps the fastest (:func:`fdp.tune`; docs/bucketing.md).
-      first_bucket_cap_mb: cap of the first bucket (MiB).
-      has_aux: ``loss_fn`` returns ``(loss, aux)``.
-      donate: donate the model's and optimizer's arrays to the step (``nnx.jit``
-        donates nothing by default): an array read out of the model before a
-        step (``w = model.linear.kernel[...]``) is deleted by it. Copy what you
-        keep, or pass ``False``.
-      layout: ``'auto'`` (``'flat'`` on GPUs and on CPU with several processes, else
-        ``'leaves'``), ``'leaves'`` (no copies) or ``'flat'`` (DDP's packed
-        bucket buffers, kept apart by XLA:CPU); see :func:`fdp.reduce_gradients`.
-      comm_hook: a :class:`fdp.hooks.CommHook` or a hook name. Hooks whose
-        replicas diverge (``noop``, ``post_local_sgd``) need one model per
+      reduction: how gradients are reduced (:class:`fdp.Reduction`; see
+        :func:`fdp.train_step`). ``bucket_cap_mb="auto"`` times candidate caps
+        and layouts on copies of the model and optimizer and keeps the fastest
+        (:func:`fdp.tune`; docs/bucketing.md). Hooks whose replicas diverge
+        (``noop``, ``post_local_sgd``) and model averagers need one model per
         device, which an NNX model object is not: use :func:`fdp.train_step`.
-      accumulate_steps: micro-batches per step, reduced once (``no_sync``).
-      accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
-      per_example: ``loss_fn`` returns one loss per example; uneven batches
-        are padded and masked, and ``mask=`` weighs examples.
-      find_unused_parameters: leave parameters that do not reach the loss, and
-        their optimizer state, untouched (see :func:`fdp.train_step`).
+      accumulation: micro-batches per step, reduced once
+        (:class:`fdp.Accumulation`, ``no_sync``).
+      loss: what ``loss_fn`` returns and how its examples weigh
+        (:class:`fdp.Loss`; see :func:`fdp.train_step`).
+      sharding: ZeRO's stage (:class:`fdp.Sharding`; docs/zero.md).
       buffers: ``'broadcast'`` (device 0's batch statistics), ``'mean'``
         (averaged over the data axis) or a function ``fn(state, axis_name) ->
         state`` of the non-parameter state. ``'local'`` needs one model per
         device: use :func:`fdp.train_step`.
+      donate: donate the model's and optimizer's arrays to the step (``nnx.jit``
+        donates nothing by default): an array read out of the model before a
+        step (``w = model.linear.kernel[...]``) is deleted by it. Copy what you
+        keep, or pass ``False``.
       stats: sample runtime statistics (``step.stats()``) at any debug level;
         see :func:`fdp.train_step`.
-      accumulate_op: ``'mean'`` or ``'sum'`` (torch's ``no_sync``); see
-        :func:`fdp.train_step`.
-      weighting: ``'example'`` or ``'device'`` (per-example losses); see
-        :func:`fdp.train_step`.
-      divide_by_initial_world_size: torch's ``Join`` option; see
-        :func:`fdp.train_step`.
-      zero_stage: ZeRO's stage 0-3 (see :func:`fdp.train_step` and docs/zero.md).
-      hierarchical: two-level reduction on a host x device mesh (see
-        :func:`fdp.train_step`).
-      reduce_dtype: the dtype gradients are reduced in (see :func:`fdp.train_step`).
-      gather_aux: which ``aux`` leaves come back gathered along the batch
-        (logits) rather than averaged; see :func:`fdp.train_step`.
       fold_dots: 2-D dense products on CPU (see :func:`fdp.train_step`).
+      **deprecated: fdp 0.1's flat keywords, for one release (see
+        :func:`fdp.train_step`).
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.
 
     Raises:
-      ValueError: a hook whose replicas diverge.
+      ValueError: a hook whose replicas diverge, a model averager, or
+        ``buffers='local'``.
+      TypeError: an unknown keyword, or a flat keyword together with its policy.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -424,10 +398,19 @@ def nnx_train_step(
       >>> int(optimizer.step[...])
       1
     """
-    settings = {k: v for k, v in locals().items() if k not in ("loss_fn", "stats")}
-    auto = bucket_cap_mb == "auto"
-    # With "auto", every other setting is still checked now, at DDP's default cap.
-    cfg = StepConfig(**{**settings, "bucket_cap_mb": 25.0} if auto else settings)
+    given = {
+        "mesh": mesh,
+        "axis_name": axis_name,
+        "reduction": reduction,
+        "accumulation": accumulation,
+        "loss": loss,
+        "sharding": sharding,
+        "buffers": buffers,
+        "donate": donate,
+        "fold_dots": fold_dots,
+    }
+    settings = from_keywords("fdp.nnx_train_step", given, deprecated)
+    cfg = config_of(settings)
     if cfg.buffers == "local":
         raise ValueError(
             "buffers='local' keeps batch statistics once per device, which an NNX model "
@@ -440,7 +423,13 @@ def nnx_train_step(
             "per device; an NNX model object holds one. Use fdp.train_step with a Linen "
             "TrainState for this hook."
         )
-    if auto:
+    if cfg.model_averager is not None:
+        raise ValueError(
+            f"Reduction.model_averager={type(cfg.model_averager).__name__} averages "
+            "per-device parameters, which needs one model per device; an NNX model object "
+            "holds one. Use fdp.train_step with a Linen TrainState for post-local SGD."
+        )
+    if settings["reduction"].auto:
         from fdp.step._tune import AutoTunedNNXStep
 
         # It stands in for the step it builds at its first call (same calls, same attributes).

@@ -25,6 +25,7 @@ from fdp.observe._debug import logger
 from fdp.runtime._memory import release_free_memory
 from fdp.step._linen import DataParallelStep
 from fdp.step._nnx import NNXDataParallelStep
+from fdp.step._policies import Reduction, with_cap, with_candidate
 
 DEFAULT_CAPS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
 DEFAULT_LAYOUTS: tuple[str, ...] = ("auto", "flat", "leaves")
@@ -65,8 +66,16 @@ class TuneResult(NamedTuple):
     cached: bool = False
 
     def kwargs(self) -> dict[str, Any]:
-        """``{"bucket_cap_mb": ..., "layout": ...}``, for ``fdp.train_step(**...)``."""
-        return {"bucket_cap_mb": self.bucket_cap_mb, "layout": self.layout}
+        """``{"reduction": fdp.Reduction(bucket_cap_mb=..., layout=...)}``, for a builder.
+
+        ``fdp.train_step(loss_fn, **result.kwargs())``; with other reduction
+        settings, ``fdp.train_step(loss_fn, reduction=result.reduction(mine))``.
+        """
+        return {"reduction": self.reduction()}
+
+    def reduction(self, base: Reduction | None = None) -> Reduction:
+        """``base`` (default: DDP's) with the chosen cap and layout."""
+        return with_cap(base, self.bucket_cap_mb, self.layout)
 
 
 def _signature(tree: Any) -> tuple:
@@ -348,7 +357,7 @@ def _tune(
     lowered_first: dict[str, tuple[float, str]] = {}
     for cand in candidates:
         cap, layout = cand
-        step = make_step(loss_fn, bucket_cap_mb=cap, layout=layout, **step_kwargs)
+        step = make_step(loss_fn, **with_candidate(step_kwargs, cap, layout))
         lowered = step.lower(state, batch, *extra)
         steps_of[cand] = step
         # Equal lowered programs compile to equal programs: only the first is compiled
@@ -446,12 +455,12 @@ def tuned_step(
         ``layout`` other than ``"auto"`` stays, ``"auto"`` lets tuning choose.
 
     Returns:
-      ``(step, result)``: ``make_step(loss_fn, **step_kwargs, **result.kwargs())``
+      ``(step, result)``: the step at the chosen cap and layout
       and the :class:`TuneResult`.
     """
-    skip = ("bucket_cap_mb", "layout", "stats")
-    settings = {k: v for k, v in step_kwargs.items() if k not in skip}
-    layout = step_kwargs.get("layout", "auto")
+    settings = {k: v for k, v in step_kwargs.items() if k != "stats"}
+    reduction = step_kwargs.get("reduction")
+    layout = step_kwargs.get("layout", "auto") if reduction is None else reduction.layout
     result = _tune(
         loss_fn,
         state,
@@ -470,7 +479,8 @@ def tuned_step(
         step_kwargs=settings,
         shape_of=shape_of,
     )
-    return make_step(loss_fn, **{**step_kwargs, **result.kwargs()}), result
+    chosen = with_candidate(step_kwargs, result.bucket_cap_mb, result.layout)
+    return make_step(loss_fn, **chosen), result
 
 
 class _TunesAtFirstCall:
@@ -493,7 +503,9 @@ class _TunesAtFirstCall:
         self._settings = dict(kwargs)
         self.tuned = None
         # Built at the default cap now: every other setting is checked when built.
-        self._become(make_step(loss_fn, **{**kwargs, "bucket_cap_mb": _DEFAULT[0]}))
+        reduction = kwargs["reduction"]  # the builders pass their policies
+        default = {**kwargs, "reduction": with_cap(reduction, _DEFAULT[0], reduction.layout)}
+        self._become(make_step(loss_fn, **default))
 
     def _become(self, step: Any) -> None:
         stats = self._settings.get("stats", False)

@@ -151,7 +151,7 @@ def test_reduce_dtype_float32_sums_bfloat16_gradients_once():
         running = (running + row).astype(ml_dtypes.bfloat16)
     assert (running != want).all()  # the failure the option exists for
 
-    hook = StepConfig(reduce_dtype=jnp.float32, mesh=MESH).bind().hook
+    hook = StepConfig(reduction=fdp.Reduction(reduce_dtype=jnp.float32), mesh=MESH).bind().hook
 
     def local(x):
         reduced, _ = fdp.hooks.reduce_with_hook(hook, (), {"g": x[0]}, axis_name="data")

@@ -119,12 +119,16 @@ def test_group_sizes_must_fit_the_axis(levels, match):
         step(fdp.replicate(state), fdp.shard_batch(make_data(0, 16)))
 
 
+def hooks_policy(averager):
+    return fdp.Reduction(comm_hook="noop", model_averager=averager)
+
+
 def test_step_config_accepts_both_averagers_only():
     for avg in (hooks.PeriodicModelAverager(2), hooks.HierarchicalModelAverager({2: 8})):
-        cfg = StepConfig(comm_hook="noop", model_averager=avg)
-        assert hash(cfg) == hash(StepConfig(comm_hook="noop", model_averager=avg))
+        cfg = StepConfig(reduction=hooks_policy(avg))
+        assert hash(cfg) == hash(StepConfig(reduction=hooks_policy(avg)))
     with pytest.raises(
         TypeError,
         match="PeriodicModelAverager, fdp.hooks.HierarchicalModelAverager or fdp.hooks.diloco",
     ):
-        StepConfig(model_averager=object())  # type: ignore[arg-type]
+        fdp.Reduction(model_averager=object())  # type: ignore[arg-type]

@@ -255,4 +255,4 @@ def test_one_process_keeps_the_default_hook_as_it_is():
 
     bound = StepConfig().bind()
     assert is_default(bound.comm_hook) and bound.check_vma
-    assert not is_default(StepConfig(comm_hook="allreduce").comm_hook)
+    assert not is_default(StepConfig(reduction=fdp.Reduction(comm_hook="allreduce")).comm_hook)

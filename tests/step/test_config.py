@@ -32,17 +32,19 @@ def test_mistakes_are_caught_when_the_config_is_made():
     with pytest.raises(ValueError, match=r"buffers must be one of .*got 'sync'"):
         StepConfig(buffers="sync")
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number of MiB"):
-        StepConfig(bucket_cap_mb=-1.0)
-    with pytest.raises(TypeError, match="accumulate_steps must be an int >= 1, got 2.0"):
-        StepConfig(accumulate_steps=2.0)
+        StepConfig(reduction=fdp.Reduction(bucket_cap_mb=-1.0))
+    with pytest.raises(TypeError, match="Accumulation.steps must be an int >= 1, got 2.0"):
+        StepConfig(accumulation=fdp.Accumulation(steps=2.0))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="comm_hook='nope' is not a known hook"):
-        StepConfig(comm_hook="nope")
+        StepConfig(reduction=fdp.Reduction(comm_hook="nope"))
+    with pytest.raises(TypeError, match="reduction must be a fdp.Reduction, got Loss"):
+        StepConfig(reduction=fdp.Loss())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         StepConfig(fdp.data_mesh())  # keyword-only
 
 
 def test_binding_resolves_mesh_and_layout_once():
-    cfg = StepConfig(comm_hook="bf16_compress")
+    cfg = StepConfig(reduction=fdp.Reduction(comm_hook="bf16_compress"))
     assert not cfg.bound and cfg.mesh is None and cfg.layout == "auto"
     with pytest.raises(RuntimeError, match="needs a bound config"):
         cfg.num_replicas  # noqa: B018
@@ -53,17 +55,27 @@ def test_binding_resolves_mesh_and_layout_once():
 
 def test_a_config_is_hashable_and_equal_by_value():
     mesh = fdp.data_mesh()
-    a = StepConfig(mesh=mesh, bucket_cap_mb=5.0, accum_dtype="bfloat16")
-    b = StepConfig(mesh=mesh, bucket_cap_mb=5.0, accum_dtype=jax.numpy.bfloat16)
+    cap = fdp.Reduction(bucket_cap_mb=5.0)
+    a = StepConfig(mesh=mesh, reduction=cap, accumulation=fdp.Accumulation(dtype="bfloat16"))
+    b = StepConfig(
+        mesh=mesh,
+        reduction=fdp.Reduction(bucket_cap_mb=5),
+        accumulation=fdp.Accumulation(dtype=jax.numpy.bfloat16),
+    )
     assert a == b and hash(a) == hash(b)
-    assert a != dataclasses.replace(a, bucket_cap_mb=6.0)
+    assert a != dataclasses.replace(a, reduction=fdp.Reduction(bucket_cap_mb=6.0))
 
 
 def test_describe_lists_every_setting_as_plain_data():
-    cfg = StepConfig(bucket_cap_mb=5.0).bind()
+    cfg = StepConfig(reduction=fdp.Reduction(bucket_cap_mb=5.0)).bind()
     described = cfg.describe()
-    names = {f.name for f in dataclasses.fields(StepConfig)}
+    policies = {"reduction", "accumulation", "loss", "sharding"}
+    names = {f.name for f in dataclasses.fields(StepConfig)} - policies
+    for policy in policies:  # flat, under the keywords of fdp 0.1 (logs read the same)
+        fields = dataclasses.fields(getattr(cfg, policy))
+        names |= {f.metadata.get("old", f.name) for f in fields}
     assert names <= set(described)
+    assert described["accumulate_steps"] == 1 and described["zero_stage"] == 0
     assert described["mesh"] == {"data": 8} and described["mesh_device_ids"] == list(range(8))
     assert described["comm_hook"] == "allreduce" and described["bucket_cap_mb"] == 5.0
 
@@ -80,6 +92,8 @@ def test_describe_lists_every_setting_as_plain_data():
 def test_numpy_and_huge_caps_become_plain_floats():
     import numpy as np
 
-    cfg = StepConfig(bucket_cap_mb=np.float32(25), first_bucket_cap_mb=1e308)
+    cfg = StepConfig(
+        reduction=fdp.Reduction(bucket_cap_mb=np.float32(25), first_bucket_cap_mb=1e308)
+    )
     assert (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb) == (25.0, 1e308)
     assert type(cfg.bucket_cap_mb) is float

@@ -191,9 +191,12 @@ def test_hierarchical_needs_two_axes_and_names_the_fix():
 
 def test_describe_shows_the_data_axes():
     mesh = host_mesh()
-    cfg = StepConfig(mesh=mesh, axis_name=list(AXES), hierarchical=True).bind()
+    cfg = StepConfig(
+        mesh=mesh, axis_name=list(AXES), reduction=fdp.Reduction(hierarchical=True)
+    ).bind()
     assert cfg.axis_name == AXES
     assert cfg.describe()["axis_name"] == ["host", "device"]
     assert cfg.num_replicas == 8
     assert cfg.hook.name == "hierarchical"
-    assert jnp.dtype(StepConfig(reduce_dtype="float32").reduce_dtype) == jnp.float32
+    reduction = fdp.Reduction(reduce_dtype="float32")
+    assert jnp.dtype(StepConfig(reduction=reduction).reduce_dtype) == jnp.float32

@@ -53,7 +53,9 @@ else:
     state = jax.tree.map(place, state)
 
 cap = args.cap_mb_rank1 if rank == 1 else 25.0
-step = fdp.train_step(cross_entropy(model.apply), mesh=mesh, bucket_cap_mb=cap)
+step = fdp.train_step(
+    cross_entropy(model.apply), mesh=mesh, reduction=fdp.Reduction(bucket_cap_mb=cap)
+)
 data = make_data(rank, 8)  # this process's half of a global batch of 16
 print(f"first step at {time.time()!r}", flush=True)
 for _ in range(args.steps):

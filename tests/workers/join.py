@@ -44,7 +44,7 @@ def loss_fn(params, batch):
 state = fdp.replicate(init)
 # The mean over the real examples of each step (torch's divide_by_initial_world_size=False):
 # the reference the test computes on one device. torch's default is tested in one process.
-step = fdp.train_step(loss_fn, per_example=True, divide_by_initial_world_size=False)
+step = fdp.train_step(loss_fn, loss=fdp.Loss(per_example=True, divide_by_initial_world_size=False))
 steps = 0
 joined = fdp.join(
     iter(batches), batch_size=4, like=make_data(0, 4), throw_on_early_termination=args.throw

@@ -23,9 +23,7 @@ fdp.init(initialization_timeout=60)
 init = make_state("mlp", "sgd")
 step = fdp.train_step(
     cross_entropy(init.apply_fn),
-    comm_hook="allreduce",
-    bucket_cap_mb=1e-3,
-    first_bucket_cap_mb=1e-3,
+    reduction=fdp.Reduction(comm_hook="allreduce", bucket_cap_mb=1e-3, first_bucket_cap_mb=1e-3),
 )
 state = fdp.replicate(init)
 batch = fdp.shard_batch(make_data(fdp.process_index(), 4))

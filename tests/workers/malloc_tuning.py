@@ -47,7 +47,7 @@ def loss_fn(params, batch):
 
 state = fdp.replicate(TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1, 0.9)))
 # Small buckets: several all-reduces per step, as in the benchmarks' best setting.
-step = fdp.train_step(loss_fn, bucket_cap_mb=1.0)
+step = fdp.train_step(loss_fn, reduction=fdp.Reduction(bucket_cap_mb=1.0))
 data = np.random.default_rng(10 + rank)
 for _ in range(args.steps):
     batch = {

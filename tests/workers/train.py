@@ -66,9 +66,8 @@ step_fn = fdp.train_step(
     cross_entropy(model.apply),
     mesh=mesh,
     axis_name=axes,
-    zero_stage=args.zero_stage,
-    hierarchical=args.hierarchical,
-    comm_hook=args.comm_hook,
+    sharding=fdp.Sharding(zero_stage=args.zero_stage),
+    reduction=fdp.Reduction(hierarchical=args.hierarchical, comm_hook=args.comm_hook),
 )
 if args.zero_stage:
     state = step_fn.init(state)  # sharded before a restore, so orbax reads only each shard
