@@ -72,7 +72,8 @@ def hierarchical(
 ) -> CommHook:
     """Reduce-scatter inside hosts, ``outer_hook`` across hosts, all-gather inside hosts.
 
-    ``fdp.train_step(..., axis_name=("host", "device"), hierarchical=True)``
+    ``fdp.train_step(..., axis_name=("host", "device"),
+    reduction=fdp.Reduction(hierarchical=True))``
     builds it with the step's ``comm_hook`` as ``outer_hook``. The result is
     the mean over both axes, equal to the flat all-reduce's up to float
     rounding.
@@ -110,7 +111,7 @@ def hierarchical(
                 raise ValueError(
                     f"hierarchical(outer_hook={outer.name!r}) keeps state sized to each "
                     "bucket's share, so it needs inner_size= (devices per host); "
-                    "fdp.train_step(hierarchical=True) passes it."
+                    "fdp.Reduction(hierarchical=True) passes it."
                 )
             return outer.init(params, plan)
         shares = share_plan(plan, inner_size)

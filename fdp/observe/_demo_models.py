@@ -165,6 +165,7 @@ def gpu_step(
     from fdp.data._placement import replicate
     from fdp.observe._gpu import gpu_mesh
     from fdp.step._linen import train_step
+    from fdp.step._policies import Reduction
     from fdp.step._state import TrainState
 
     if name not in MODELS:
@@ -192,7 +193,6 @@ def gpu_step(
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
     state = replicate(jax.eval_shape(init), mesh)
-    step = train_step(
-        loss_fn, mesh=mesh, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb
-    )
+    caps = Reduction(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+    step = train_step(loss_fn, mesh=mesh, reduction=caps)
     return step, step.lower(state, batch).compile()

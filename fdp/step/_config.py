@@ -171,7 +171,9 @@ class StepConfig:
     @property
     def comm_hook(self) -> CommHook:
         """``reduction.comm_hook`` (the hook as given; :attr:`hook` is the one run)."""
-        return self.reduction.comm_hook
+        hook = self.reduction.comm_hook
+        assert isinstance(hook, CommHook)  # Reduction resolves names and None
+        return hook
 
     @property
     def hierarchical(self) -> bool:
@@ -320,9 +322,7 @@ class StepConfig:
         ):
             return self
         reduction = dataclasses.replace(self.reduction, layout=layout, comm_hook=hook)
-        return dataclasses.replace(
-            self, mesh=mesh, fold_dots=fold, reduction=reduction
-        )  # checks again
+        return dataclasses.replace(self, mesh=mesh, fold_dots=fold, reduction=reduction)
 
     def _sums_in_shared_memory(self, mesh: Mesh) -> bool:
         """Whether the default hook becomes :func:`fdp.hooks.shm_where_possible` here.

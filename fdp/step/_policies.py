@@ -100,21 +100,23 @@ class Reduction:
     bucket_cap_mb: float | Literal["auto"] = DEFAULT_CAP_MB
     first_bucket_cap_mb: float = 1.0
     layout: StepLayout = "auto"
-    comm_hook: CommHook = None  # type: ignore[assignment]  # None or a name: resolved below
+    comm_hook: CommHook | str | None = None  # a CommHook once made
     hierarchical: bool = False
     reduce_dtype: Any = None
     model_averager: ModelAverager | None = None
 
     def __post_init__(self) -> None:
-        auto = isinstance(self.bucket_cap_mb, str) and self.bucket_cap_mb == "auto"
-        cap_limits(DEFAULT_CAP_MB if auto else self.bucket_cap_mb, self.first_bucket_cap_mb)
+        auto = self.bucket_cap_mb == "auto"
+        # A number (checked by cap_limits), or "auto": checked at DDP's default.
+        cap: Any = DEFAULT_CAP_MB if auto else self.bucket_cap_mb
+        cap_limits(cap, self.first_bucket_cap_mb)
         # Plain floats from here on (np.float32(25) is accepted), for logs and the DETAIL check.
         if not auto:
             object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
-        object.__setattr__(self, "comm_hook", resolve(self.comm_hook))
+        hook = resolve(self.comm_hook)
         averager = self.model_averager
         if averager is not None and not isinstance(averager, ModelAverager):
             raise TypeError(
@@ -122,23 +124,24 @@ class Reduction:
                 "fdp.hooks.HierarchicalModelAverager or fdp.hooks.diloco(...), got "
                 f"{type(averager).__name__}."
             )
-        if isinstance(averager, DiLoCo) and self.comm_hook != averager.hook:
-            if self.comm_hook.name != "allreduce":
+        if isinstance(averager, DiLoCo) and hook != averager.hook:
+            if hook.name != "allreduce":
                 raise ValueError(
                     f"model_averager={averager.hook.name} brings its own comm hook (inner "
-                    f"steps communicate nothing); got comm_hook={self.comm_hook.name!r}. "
+                    f"steps communicate nothing); got comm_hook={hook.name!r}. "
                     "Leave comm_hook unset."
                 )
-            object.__setattr__(self, "comm_hook", averager.hook)
+            hook = averager.hook
+        object.__setattr__(self, "comm_hook", hook)
         _bool(self.hierarchical, "hierarchical")
         if self.hierarchical:
-            two_level(self.comm_hook)  # refuses hooks whose replicas diverge
+            two_level(hook)  # refuses hooks whose replicas diverge
         dtype = _floating(self.reduce_dtype, "reduce_dtype")
         object.__setattr__(self, "reduce_dtype", dtype)
-        if dtype is not None and self.comm_hook.name != "allreduce":
+        if dtype is not None and hook.name != "allreduce":
             raise ValueError(
                 f"reduce_dtype={dtype.name!r} sets the dtype of the default mean all-reduce; "
-                f"got comm_hook={self.comm_hook.name!r}. With a hook, pick its dtype with the "
+                f"got comm_hook={hook.name!r}. With a hook, pick its dtype with the "
                 "hook (bf16_compress_wrapper, compressed_allreduce)."
             )
 

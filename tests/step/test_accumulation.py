@@ -121,11 +121,11 @@ def test_nnx_accumulation_matches_the_whole_batch():
 def test_accumulation_settings_are_checked():
     init = make_state("mlp", "sgd")
     loss_fn = cross_entropy(init.apply_fn)
-    with pytest.raises(ValueError, match="accumulate_steps must be >= 1, got 0"):
-        fdp.train_step(loss_fn, accumulate_steps=0)
-    with pytest.raises(ValueError, match="accum_dtype must be a floating dtype"):
-        fdp.train_step(loss_fn, accumulate_steps=2, accum_dtype=jnp.int32)
-    step = fdp.train_step(loss_fn, accumulate_steps=3, donate=False)
+    with pytest.raises(ValueError, match="Accumulation.steps must be >= 1, got 0"):
+        fdp.train_step(loss_fn, accumulation=fdp.Accumulation(steps=0))
+    with pytest.raises(ValueError, match="Accumulation.dtype must be a floating dtype"):
+        fdp.train_step(loss_fn, accumulation=fdp.Accumulation(steps=2, dtype=jnp.int32))
+    step = fdp.train_step(loss_fn, accumulation=fdp.Accumulation(steps=3), donate=False)
     with pytest.raises(
         ValueError,
         match=r"divisible by the 8 devices of axis 'data' times 3 "

@@ -168,8 +168,8 @@ def test_grad_accumulator_mean_or_sum(op):
 
 
 def test_settings_are_checked():
-    with pytest.raises(ValueError, match=r"accumulate_op must be one of \('mean', 'sum'\)"):
-        fdp.train_step(mean_loss, accumulate_op="add")
+    with pytest.raises(ValueError, match=r"Accumulation.op must be one of \('mean', 'sum'\)"):
+        fdp.train_step(mean_loss, accumulation=fdp.Accumulation(op="add"))
     with pytest.raises(ValueError, match=r"weighting must be one of \('example', 'device'\)"):
         fdp.train_step(loss_per_example, per_example=True, weighting="rank")
     with pytest.raises(ValueError, match=r"weighting='device' .* needs per_example=True"):
