@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = GPT(cfg, nnx.Rngs(params=args.seed, dropout=args.seed + 1))
     optimizer = optimizer_for(model, args)
     step = fdp.nnx_train_step(
-        loss_fn, accumulate_steps=args.accumulate_steps, zero_stage=args.zero_stage
+        loss_fn,
+        accumulation=fdp.Accumulation(steps=args.accumulate_steps),
+        sharding=fdp.Sharding(zero_stage=args.zero_stage),
     )
     # Placed on the mesh now (sharded at ZeRO stages 1-3): the template to restore into.
     # The step donates the model's arrays: keep no reference to them across a step.

@@ -62,9 +62,9 @@ state = fdp.replicate(TrainState.create(apply_fn=model.apply, params=params, tx=
 
 settings = {}
 if rank == 1 and args.zero_stage_rank1:
-    settings["zero_stage"] = args.zero_stage_rank1
+    settings["sharding"] = fdp.Sharding(zero_stage=args.zero_stage_rank1)
 if rank == 1 and args.hook_rank1:
-    settings["comm_hook"] = args.hook_rank1
+    settings["reduction"] = fdp.Reduction(comm_hook=args.hook_rank1)
 step = fdp.train_step(cross_entropy(model.apply), mesh=mesh, **settings)
 print(f"first step at {time.time()!r}", flush=True)
 for i in range(1, args.steps + 1):
