@@ -25,7 +25,7 @@ from fdp.observe._debug import logger
 from fdp.runtime._memory import release_free_memory
 from fdp.step._linen import DataParallelStep
 from fdp.step._nnx import NNXDataParallelStep
-from fdp.step._policies import Reduction, with_cap, with_candidate
+from fdp.step._policies import Reduction, with_candidate, with_cap
 
 DEFAULT_CAPS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
 DEFAULT_LAYOUTS: tuple[str, ...] = ("auto", "flat", "leaves")
@@ -474,7 +474,7 @@ def tuned_step(
         margin=MARGIN,
         finalists=FINALISTS,
         race_rounds=RACE_ROUNDS,
-        make_step=lambda loss, **kw: candidate(make_step(loss, **kw)),
+        make_step=lambda fn, **kw: candidate(make_step(fn, **kw)),  # kw may hold loss=
         copy=copy,
         step_kwargs=settings,
         shape_of=shape_of,
