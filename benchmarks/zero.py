@@ -230,14 +230,14 @@ FSDP_MODES = ("stage 0", "stage 3, kept gathered", "stage 3, gathered per use", 
 
 
 def fdp_step(bench, mode: str):
-    """fdp's step for ``mode``; "kept gathered" is the internal reshard_after_forward=False."""
-    import dataclasses
-
+    """fdp's step for ``mode``; "kept gathered" is ``reshard_after_forward=False``."""
     import fdp
 
-    step = fdp.train_step(bench.loss_fn, zero_stage=0 if mode == "stage 0" else 3)
-    if mode == "stage 3, kept gathered":
-        step._config = dataclasses.replace(step._config, reshard_after_forward=False)
+    sharding = fdp.Sharding(
+        zero_stage=0 if mode == "stage 0" else 3,
+        reshard_after_forward=mode != "stage 3, kept gathered",
+    )
+    step = fdp.train_step(bench.loss_fn, sharding=sharding)
     return step
 
 

@@ -74,13 +74,6 @@ class StepConfig:
         transposes the gradient in memory otherwise). ``None`` (default): on
         when the mesh's devices are CPUs. The values are the same products;
         the weight gradients' summation order may differ (float rounding).
-      reshard_after_forward: ZeRO stage 3 only (internal, not yet a
-        :func:`fdp.train_step` keyword): ``True`` (default) gathers each bucket of
-        parameters where the forward pass uses it, frees it, and gathers it
-        again for the backward pass (:mod:`fdp.step._per_use`); ``False``
-        gathers every bucket at the start of the step and keeps them until the
-        backward pass is done (FSDP2's ``reshard_after_forward=False``: one
-        gather per bucket, stage 1's peak memory).
 
     Example:
       >>> from fdp import Reduction
@@ -103,7 +96,6 @@ class StepConfig:
     buffers: str | BufferHook = "broadcast"
     donate: bool = True
     fold_dots: bool | None = None
-    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_name, list):  # a list reads as the tuple it means
@@ -112,10 +104,6 @@ class StepConfig:
             check_axis(self.mesh, self.axis_name)
         else:
             axis_names_of(self.axis_name)
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(
-                f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}."
-            )
         for name, cls in POLICIES.items():
             value = getattr(self, name)
             if not isinstance(value, cls):
@@ -423,7 +411,7 @@ class StepConfig:
         """
         return (
             self.zero_stage >= 3
-            and self.reshard_after_forward
+            and self.sharding.reshard_after_forward
             and is_mean_reduce_scatter(reduce_scatter_of(self.hook))
         )
 

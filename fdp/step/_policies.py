@@ -254,26 +254,41 @@ class Loss:
 class Sharding:
     """What is sharded over the data axis, and when.
 
-    Only ZeRO's stage today; per-layer gathers, resharding after the forward
-    pass and hybrid (replicated x sharded) meshes will be fields of this policy.
+    ZeRO's stage and, at stage 3, when parameters are gathered; hybrid
+    (replicated x sharded) meshes and a parameter dtype will be fields of this
+    policy too.
 
     Attributes:
       zero_stage: ZeRO's stage (DeepSpeed's meaning): ``0`` DDP (everything
         whole on every device); ``1`` the optimizer state sharded; ``2`` also
         the reduced gradients (each bucket is reduce-scattered); ``3`` also the
-        parameters, which stay sharded between steps and are gathered bucket
-        by bucket at the start of each. See docs/zero.md.
+        parameters, which stay sharded between steps. See docs/zero.md.
+      reshard_after_forward: stage 3 only, FSDP2's setting of that name.
+        ``True`` (default): each parameter is gathered where the forward pass
+        uses it, freed after, and gathered again for the backward pass
+        (:mod:`fdp.step._per_use`; with the default mean hook, else as
+        ``False``). ``False``: every bucket is gathered at the start of the
+        step and kept until the backward pass is done (one gather per bucket,
+        stage 1's peak memory), for users who have the memory.
 
     Example:
       >>> import fdp
       >>> fdp.Sharding(zero_stage=2).zero_stage
       2
+      >>> fdp.Sharding(zero_stage=3, reshard_after_forward=False).reshard_after_forward
+      False
     """
 
     zero_stage: int = 0
+    # New in this policy: not a flat keyword of fdp 0.1, so the shim does not take it.
+    reshard_after_forward: bool = dataclasses.field(default=True, metadata={"new": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}."
+            )
 
 
 Policy = Reduction | Accumulation | Loss | Sharding
@@ -288,7 +303,11 @@ POLICIES: dict[str, type[Policy]] = {
 
 def _old_names(cls: type[Policy]) -> dict[str, str]:
     """``{flat keyword of fdp 0.1: field}`` for one policy."""
-    return {f.metadata.get("old", f.name): f.name for f in dataclasses.fields(cls)}
+    return {
+        f.metadata.get("old", f.name): f.name
+        for f in dataclasses.fields(cls)
+        if not f.metadata.get("new")
+    }
 
 
 def from_keywords(

@@ -9,8 +9,6 @@ collective out of the micro-batch loop and overlaps the reductions with the last
 micro-batch's backward products.
 """
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -58,9 +56,10 @@ def abstract_inputs(mesh, rows=64):
 
 
 def compile_step(mesh, kept_gathered=False, **settings):
+    if kept_gathered:  # stage 3 with reshard_after_forward=False: one gather per bucket
+        stage = settings.pop("zero_stage", 0)
+        settings["sharding"] = fdp.Sharding(zero_stage=stage, reshard_after_forward=False)
     step = fdp.train_step(loss_fn, mesh=mesh, **CAPS, **settings)
-    if kept_gathered:  # stage 3's internal reshard_after_forward=False: one gather per bucket
-        step._config = dataclasses.replace(step._config, reshard_after_forward=False)
     compiled = step.lower(*abstract_inputs(mesh)).compile()
     return step, compiled
 

@@ -20,7 +20,6 @@ from test_zero import (
     NNXNet,
     batches,
     bn_loss,
-    kept_gathered,
     mlp_state,
     nnx_loss,
     train,
@@ -121,7 +120,9 @@ def test_the_compiled_program_gathers_per_use_and_never_holds_every_parameter():
     )
     whole = sum(x.nbytes for x in jax.tree.leaves(params))  # 8 x 256 KiB
     per_use = fdp.train_step(deep_loss, zero_stage=3)
-    kept = kept_gathered(fdp.train_step(deep_loss, zero_stage=3))
+    kept = fdp.train_step(
+        deep_loss, sharding=fdp.Sharding(zero_stage=3, reshard_after_forward=False)
+    )
     programs = {
         name: step.lower(fdp.replicate(state), batch).compile()
         for name, step in (("per_use", per_use), ("kept", kept))
@@ -142,15 +143,22 @@ def test_the_compiled_program_gathers_per_use_and_never_holds_every_parameter():
 
 def test_reshard_after_forward_must_be_a_bool():
     with pytest.raises(TypeError, match="reshard_after_forward must be True or False, got 1"):
-        fdp.step._config.StepConfig(reshard_after_forward=1)
+        fdp.Sharding(zero_stage=3, reshard_after_forward=1)
+
+
+def test_reshard_after_forward_is_a_sharding_field_not_a_flat_keyword():
+    step = fdp.train_step(
+        cross_entropy(MLP().apply), sharding=fdp.Sharding(zero_stage=3, reshard_after_forward=False)
+    )
+    assert not step.config.gathers_per_use
+    assert fdp.train_step(cross_entropy(MLP().apply), zero_stage=3).config.gathers_per_use
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        fdp.train_step(cross_entropy(MLP().apply), reshard_after_forward=False)
 
 
 def test_a_hook_without_the_plain_reduce_scatter_keeps_the_parameters_gathered():
     step = fdp.train_step(cross_entropy(MLP().apply), zero_stage=3, comm_hook="bf16_compress")
     assert not step.config.gathers_per_use
-    assert not kept_gathered(
-        fdp.train_step(cross_entropy(MLP().apply), zero_stage=3)
-    ).config.gathers_per_use
 
 
 class ScannedLayer(nn.Module):

@@ -4,8 +4,6 @@ The reference for every stage is a single device stepping on the whole batch (pl
 optax), the independent definition of the DDP step; stage 0 is pinned to it elsewhere.
 """
 
-import dataclasses
-
 import chex
 import flax.linen as nn
 import jax
@@ -59,14 +57,6 @@ def train(step, state, data, mesh=None):
     for batch in data:
         state, metrics = step(state, fdp.shard_batch(batch, mesh))
     return state, metrics
-
-
-def kept_gathered(step):
-    """``step`` with stage 3's internal ``reshard_after_forward=False``: every bucket
-    gathered at the start of the step and kept through the backward pass (the mode
-    before per-use gathers; those are tested in test_per_use.py)."""
-    step._config = dataclasses.replace(step._config, reshard_after_forward=False)
-    return step
 
 
 def per_device_bytes(tree):
@@ -137,12 +127,12 @@ def test_the_compiled_collectives_of_each_stage():
     for stage in (0, 1, 2, 3):
         step = fdp.train_step(
             cross_entropy(MLP().apply),
-            zero_stage=stage,
+            # stage 3 kept gathered: one gather per bucket (per-use gathers: test_per_use.py)
+            sharding=fdp.Sharding(zero_stage=stage, reshard_after_forward=False),
             layout="flat",
             bucket_cap_mb=2e-3,
             first_bucket_cap_mb=2e-3,
         )
-        step = kept_gathered(step) if stage == 3 else step
         stats[stage] = compiled(step, fdp.replicate(state), batches(1)[0])
         assert len(step.plan.buckets) == 2
     assert stats[0].nbytes("all-reduce") >= grad_bytes and stats[0].count("reduce-scatter") == 0
@@ -198,8 +188,8 @@ def test_accumulation_unused_parameters_and_buffers_compose_with_stage_2_and_3()
     settings = dict(accumulate_steps=2, find_unused_parameters=True, buffers="mean")
     ref, _ = train(fdp.train_step(bn_loss, **settings), fdp.replicate(bn_state()), data)
     for stage in (2, 3):  # stage 3 kept gathered; per-use gathers: test_per_use.py
-        step = fdp.train_step(bn_loss, zero_stage=stage, **settings)
-        step = kept_gathered(step) if stage == 3 else step
+        sharding = fdp.Sharding(zero_stage=stage, reshard_after_forward=False)
+        step = fdp.train_step(bn_loss, sharding=sharding, **settings)
         state, _ = train(step, fdp.replicate(bn_state()), data)
         chex.assert_trees_all_close(
             jax.device_get((state.params, state.batch_stats)),
