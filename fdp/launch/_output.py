@@ -29,9 +29,12 @@ _CLEAR = "\r\x1b[K"  # back to the start of the terminal line, erase it
 # Lines that say nothing to the user: printed by gloo for every communicator it
 # sets up (16-32 per run), and by JAX when the agent stops a worker with SIGTERM.
 # gloo writes to stdout from C++, so its line may land after a progress bar's
-# unfinished one: the patterns are searched anywhere in a line.
+# unfinished one, or be cut in two by a progress bar's "\r" written between its
+# halves: the patterns are searched anywhere in a record, and each half is known
+# on its own.
 TRANSPORT_NOISE = (
-    re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\b"),
+    re.compile(r"\[Gloo\] Rank \d+ is connected to\b"),
+    re.compile(r"\b\d+ peer ranks\. Expected number of connected peer ranks is\b"),
     re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ preemption_notifier\.cc:\d+\] SIGTERM caught"),
 )
 
@@ -57,6 +60,10 @@ def split_noise(line: str) -> tuple[str, str]:
       ('', '[Gloo] Rank 1 is connected to 7 peer ranks. Expected ...')
       >>> split_noise("train: 0%|  | 0/2[Gloo] Rank 0 is connected to 1 peer ranks.")
       ('train: 0%|  | 0/2', '[Gloo] Rank 0 is connected to 1 peer ranks.')
+      >>> split_noise("[Gloo] Rank 0 is connected to ")  # cut in two by a progress bar
+      ('', '[Gloo] Rank 0 is connected to ')
+      >>> split_noise("step 3 1 peer ranks. Expected number of connected peer ranks is : 1")
+      ('step 3 ', '1 peer ranks. Expected number of connected peer ranks is : 1')
       >>> split_noise("loss 0.25")
       ('loss 0.25', '')
     """
@@ -253,14 +260,14 @@ class Output:
         """
         out = []
         for text, is_line in records:
-            before, noise = split_noise(text) if is_line else (text, "")
+            before, noise = split_noise(text)
             if not noise:
                 out.append((text, is_line))
                 continue
             out.append((before, False))
             if not self._quiet:
                 out.append((noise, True))
-        return out
+        return [(text, is_line) for text, is_line in out if text or is_line]
 
     def close(self, timeout: float = 5.0) -> None:
         """Waits for the copies to drain (the worker has ended) and closes the log file."""

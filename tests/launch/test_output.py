@@ -32,7 +32,7 @@ def test_lines_are_whole_prefixed_transport_logs_left_out_and_a_table_at_the_end
         # On a pipe, a progress bar shows only its final state, gloo's line cut out of it.
         assert f"[rank {rank}] bar 3/3 of rank {rank}\n" in out.stdout
         assert f"bar 2/3 of rank {rank}" not in out.stdout
-    assert "Gloo" not in out.output
+    assert "Gloo" not in out.output and "peer ranks" not in out.output  # nor half of it
     assert all(line.startswith("[rank ") for line in out.stdout.splitlines())
     # Every run ends with a table of the workers.
     summary = out.stderr.split("fdp launch: all 2 worker(s) succeeded (attempt 1 of 1, run id ")[1]
@@ -46,6 +46,9 @@ def test_fdp_debug_shows_transport_logs_on_lines_of_their_own(marker):
     assert "[rank 1] [Gloo] Rank 1 is connected to 1 peer ranks." in out.stdout
     # Written while rank 1's bar was open, gloo's line still gets a line of its own.
     assert "[rank 1] [Gloo] Rank 5 is connected to 7 peer ranks." in out.stdout
+    # Cut in two by the bar, each half on a line of its own.
+    assert "[rank 1] [Gloo] Rank 3 is connected to \n" in out.stdout
+    assert "[rank 1] 3 peer ranks. Expected number of connected peer ranks is : 3\n" in out.stdout
     assert "[rank 1] bar 3/3 of rank 1\n" in out.stdout
 
 

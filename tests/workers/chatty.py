@@ -3,9 +3,9 @@
     chatty.py
 
 Every rank prints gloo's connection line, a progress bar redrawn with carriage
-returns (as tqdm does) with gloo's line landing inside it, a line written in
-pieces with pauses between them, and a line to stderr; rank 0 waits for rank 1's
-pieces, so that their writes overlap in time.
+returns (as tqdm does) with gloo's line landing inside it (once whole, once cut in
+two by the bar), a line written in pieces with pauses between them, and a line to
+stderr; rank 0 waits for rank 1's pieces, so that their writes overlap in time.
 """
 
 import os
@@ -24,6 +24,10 @@ def write(text):
 write(f"[Gloo] Rank {rank} is connected to 1 peer ranks. Expected number of connected peer ...\n")
 write(f"\rbar 0/3 of rank {rank}")
 write(f"[Gloo] Rank {rank + 4} is connected to 7 peer ranks. Expected number is : 7\n")
+# gloo's line cut in two by the bar's carriage return, written between its halves.
+write(f"[Gloo] Rank {rank + 2} is connected to ")
+write(f"\rbar 0/3 of rank {rank} ")
+write("3 peer ranks. Expected number of connected peer ranks is : 3\n")
 for i in (1, 2, 3):
     write(f"\rbar {i}/3 of rank {rank}")
     time.sleep(0.05)
