@@ -5,7 +5,8 @@ Per device, inside the step's ``shard_map``:
     params (gathered, ZeRO stage 3) -> per-device -> local gradients
     (micro-batches) -> bucketed reduction with the comm hook (reduce-scattered,
     ZeRO stages 2 and 3) -> "untouched" flags of unused parameters -> buffers
-    made one again -> metrics reduced over the data axis
+    made one again -> metrics reduced over the data axis, with the reduced
+    gradient's global norm
 
 Nothing here knows how the update is applied; the front ends differ only there
 (``TrainState.apply_gradients`` in Linen, ``nnx.Optimizer.update`` in NNX).
@@ -26,6 +27,7 @@ from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._fold import fold_leading_dims
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
+from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
 from fdp.step._usage import untouched_flags
@@ -44,8 +46,8 @@ class Reduced(NamedTuple):
       keep: per parameter leaf, whether the update must leave it (and its
         optimizer state) untouched: ``True``, ``False`` or a traced bool; None
         when no leaf is kept.
-      metrics: ``({"loss": ..., "aux": ...}, gathered)`` over the whole
-        batch: see :func:`reduce_metrics`; :func:`join_metrics` makes it one.
+      metrics: ``({"loss": ..., "grad_norm": ..., "aux": ...}, gathered)``
+        over the whole batch (``grad_norm``: :mod:`fdp.step._norm`): see :func:`reduce_metrics`; :func:`join_metrics` makes it one.
     """
 
     grads: Any
@@ -210,6 +212,8 @@ def reduce_step(
     if tracked and (plan.usage.unused or plan.usage.conditional):
         keep = tuple(untouched_flags(plan.usage, out.used, axis))
     metrics = reduce_metrics(out.global_loss(axis), out.aux, axis, out.aux_rows)
+    shared = per_use or config.scatters_gradients  # each device holds its share of split leaves
+    metrics[0]["grad_norm"] = global_norm(grads, dims if shared else None, axis)
     if finite.enabled():  # FDP_CHECK_FINITE=1: each device's loss and gradients, tested
         metrics[0][finite.KEY] = finite.codes(out.loss, out.grads, axis, n)
     return Reduced(
