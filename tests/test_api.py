@@ -9,6 +9,8 @@ Moved deliberately once since (issue 30): ``train_step``, ``nnx_train_step`` and
 ``grad_accumulator`` take grouped policies (``fdp.Reduction``, ``fdp.Accumulation``,
 ``fdp.Loss``, ``fdp.Sharding``, recorded here too) instead of flat keywords; the flat
 keywords still work for one release through ``**deprecated`` (tests/step/test_policies.py).
+``fdp.StatsSchedule`` (a NamedTuple, whose fields are positional) gained a third field
+with a default, ``tokens_per_example`` (issue 33): two-argument calls are unchanged.
 """
 
 import importlib

@@ -30,10 +30,14 @@ class StatsSchedule(NamedTuple):
     Attributes:
       first: steps timed from the start.
       every: after those, steps whose number is a multiple of this are timed.
+      tokens_per_example: tokens in one example (a language model's sequence
+        length); when given, throughput is reported in tokens per second too.
+        None: examples per second only.
     """
 
     first: int = 10
     every: int = 100
+    tokens_per_example: int | None = None
 
     def sampled(self, step: int) -> bool:
         """Whether step number ``step`` (from 1) is timed.
@@ -51,7 +55,8 @@ def check_schedule(stats: bool | StatsSchedule) -> StatsSchedule | None:
 
     Raises:
       TypeError: ``stats`` is neither a bool nor a :class:`StatsSchedule`.
-      ValueError: a schedule with ``first < 1`` or ``every < 1``.
+      ValueError: a schedule with ``first < 1``, ``every < 1`` or
+        ``tokens_per_example < 1``.
     """
     if stats is False:
         return None
@@ -63,6 +68,14 @@ def check_schedule(stats: bool | StatsSchedule) -> StatsSchedule | None:
         value = getattr(stats, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"StatsSchedule.{name} must be an int >= 1, got {value!r}.")
+    tokens = stats.tokens_per_example
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1
+    ):
+        raise ValueError(
+            f"StatsSchedule.tokens_per_example must be None or an int >= 1 (tokens in one "
+            f"example, e.g. the sequence length), got {tokens!r}."
+        )
     return stats
 
 
@@ -127,6 +140,7 @@ class RuntimeStats:
         """The statistics as plain data (see :meth:`fdp.DataParallelStep.stats`)."""
         timed = len(self._seconds)
         total = sum(self._seconds)
+        tokens = self.schedule.tokens_per_example
         # fdp's shared-memory sums are all-reduces too (the default on CPU processes of
         # one host).
         kinds = [(self.collectives or {}).get(k, {}) for k in ("all-reduce", "shm-sum")]
@@ -134,7 +148,11 @@ class RuntimeStats:
         return {
             "steps": self.steps,
             "sampled_steps": timed,
-            "schedule": {"first": self.schedule.first, "every": self.schedule.every},
+            "schedule": {
+                "first": self.schedule.first,
+                "every": self.schedule.every,
+                "tokens_per_example": self.schedule.tokens_per_example,
+            },
             "first_step_seconds": self.first_step_seconds,
             "compiled_steps": list(self.compiled_steps),
             "avg_step_seconds": total / timed if timed else None,
@@ -144,6 +162,15 @@ class RuntimeStats:
                 self._examples[-1] / self._seconds[-1] if timed and self._seconds[-1] else None
             ),
             "examples_per_step": self._examples[-1] if timed else None,
+            "avg_tokens_per_second": (
+                tokens * sum(self._examples) / total if tokens and total else None
+            ),
+            "last_tokens_per_second": (
+                tokens * self._examples[-1] / self._seconds[-1]
+                if tokens and timed and self._seconds[-1]
+                else None
+            ),
+            "tokens_per_step": tokens * self._examples[-1] if tokens and timed else None,
             "allreduce_bytes_per_step": None if self.collectives is None else allreduce["bytes"],
             "allreduce_count_per_step": None if self.collectives is None else allreduce["count"],
             "sent_bytes_per_step": self.sent_bytes,
@@ -156,10 +183,13 @@ class RuntimeStats:
         if self.compiled_steps and self.compiled_steps[-1] == self.steps:
             again = "" if self.steps == 1 else ", not averaged; its inputs changed type or sharding"
             return f"step {self.steps} compiled the step: {self._last_compiled:.4g} s{again}"
+        last = f"{d['last_examples_per_second']:.4g} examples/s"
+        avg = f"{d['avg_examples_per_second']:.4g} examples/s"
+        if d["last_tokens_per_second"] is not None:
+            last += f" ({d['last_tokens_per_second']:.4g} tokens/s)"
+            avg += f" ({d['avg_tokens_per_second']:.4g} tokens/s)"
         return (
-            f"step {self.steps}: {d['last_step_seconds'] * 1e3:.4g} ms, "
-            f"{d['last_examples_per_second']:.4g} examples/s; average over "
+            f"step {self.steps}: {d['last_step_seconds'] * 1e3:.4g} ms, {last}; average over "
             f"{d['sampled_steps']} sampled step(s): {d['avg_step_seconds'] * 1e3:.4g} ms, "
-            f"{d['avg_examples_per_second']:.4g} examples/s; all-reduced "
-            f"{d['allreduce_bytes_per_step']} bytes per device per step"
+            f"{avg}; all-reduced {d['allreduce_bytes_per_step']} bytes per device per step"
         )

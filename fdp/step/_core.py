@@ -47,7 +47,8 @@ class Reduced(NamedTuple):
         optimizer state) untouched: ``True``, ``False`` or a traced bool; None
         when no leaf is kept.
       metrics: ``({"loss": ..., "grad_norm": ..., "aux": ...}, gathered)``
-        over the whole batch (``grad_norm``: :mod:`fdp.step._norm`): see :func:`reduce_metrics`; :func:`join_metrics` makes it one.
+        over the whole batch (``grad_norm``: :mod:`fdp.step._norm`): see
+        :func:`reduce_metrics`; :func:`join_metrics` makes it one.
     """
 
     grads: Any

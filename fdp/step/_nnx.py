@@ -377,7 +377,8 @@ def nnx_train_step(
         :func:`fdp.train_step`).
 
     Returns:
-      An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``.
+      An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``,
+      with ``metrics['loss']`` and ``metrics['grad_norm']`` as in :func:`fdp.train_step`.
 
     Raises:
       ValueError: a hook whose replicas diverge, a model averager, or

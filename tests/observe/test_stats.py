@@ -20,6 +20,8 @@ def test_schedule_is_the_first_steps_then_every_nth():
     ]
     with pytest.raises(ValueError, match=r"StatsSchedule.every must be an int >= 1, got 0"):
         fdp.train_step(lambda p, b: 0.0, stats=fdp.StatsSchedule(every=0))
+    with pytest.raises(ValueError, match=r"tokens_per_example must be None or an int >= 1.*got 0"):
+        fdp.train_step(lambda p, b: 0.0, stats=fdp.StatsSchedule(tokens_per_example=0))
     with pytest.raises(TypeError, match="stats must be a bool or a fdp.StatsSchedule, got 5"):
         fdp.train_step(lambda p, b: 0.0, stats=5)
 
@@ -83,6 +85,28 @@ def test_info_samples_and_logs_the_sampled_steps(caplog):
     assert logged[-1].startswith("fdp.train_step: step 10: ")
     assert f"all-reduced {step.plan.nbytes + 4} bytes per device per step" in logged[-1]
     assert step.stats()["steps"] == 12 and step.stats()["sampled_steps"] == 9
+
+
+def test_tokens_per_second_when_the_schedule_knows_the_tokens_of_an_example(caplog):
+    caplog.set_level(logging.INFO, logger="fdp")
+    fdp.set_debug_level("INFO")
+    state = fdp.replicate(make_state("mlp", "sgd"))
+    schedule = fdp.StatsSchedule(first=3, every=100, tokens_per_example=64)
+    step = fdp.train_step(cross_entropy(state.apply_fn), stats=schedule)
+    batch = fdp.shard_batch(make_data(0, 16))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    stats = step.stats()
+    assert stats["schedule"]["tokens_per_example"] == 64
+    assert stats["tokens_per_step"] == 16 * 64
+    assert stats["last_tokens_per_second"] == pytest.approx(16 * 64 / stats["last_step_seconds"])
+    assert stats["avg_tokens_per_second"] == pytest.approx(16 * 64 / stats["avg_step_seconds"])
+    logged = [r.message for r in caplog.records if r.name == "fdp" and ": step 3: " in r.message]
+    tokens = stats["last_tokens_per_second"]
+    assert f"examples/s ({tokens:.4g} tokens/s); average over" in logged[0]
+    # Without tokens_per_example, examples/s only.
+    plain = _stats.RuntimeStats(_stats.StatsSchedule()).as_dict()
+    assert plain["tokens_per_step"] is plain["last_tokens_per_second"] is None
 
 
 # Lines as jaxlib 0.10.2 writes fdp's shared-memory sum of a 2-array bucket (shortened).
