@@ -9,7 +9,9 @@ tracing and compiling, what it waits for outside the compiled program, and that
 its script returned. The agent declares a hang from that evidence, never from
 silence alone:
 
-- a worker stopped by a signal for ``timeout`` seconds;
+- a worker stopped for ``timeout`` seconds: its ``/proc`` state is ``T`` (a
+  signal: SIGSTOP, SIGTSTP) or ``t`` (a debugger's ptrace stop), and only then
+  does a message say "stopped";
 - a worker *behind*: a peer finished (or waits inside) a step that this worker
   has not entered, and this worker entered no new step for ``timeout`` seconds
   (a worker that never reaches its first step while its peers wait is one);
@@ -43,7 +45,7 @@ class Hang:
       rank: its global rank.
       steps: steps it completed (0: none).
       quiet: seconds it made no progress (for the one behind: since a peer waited for it).
-      stopped: the process was stopped by a signal (SIGSTOP, SIGTSTP).
+      stopped: its process was stopped (``/proc`` state ``T`` or ``t``) when blamed.
       why: what the evidence says, as the end of ``'hung: it ...'``.
       table: one line per worker (a header first): its steps and where it was.
     """
@@ -64,8 +66,15 @@ class Hang:
             what = f"completed no step for {self.quiet:.1f} s after its step {self.steps}"
         else:
             what = f"made no progress for {self.quiet:.1f} s before its first step"
-        how = " (the process was stopped by a signal, e.g. SIGSTOP)" if self.stopped else ""
+        how = " (its process is stopped: /proc state T or t)" if self.stopped else ""
         return what + how
+
+
+# /proc/<pid>/stat states of a stopped process: what stopped it, and the evidence.
+_STOPPED = {
+    "T": ("stopped by a signal", "/proc state T, e.g. SIGSTOP or SIGTSTP"),
+    "t": ("stopped by a debugger", "/proc state t, a ptrace stop"),
+}
 
 
 @dataclasses.dataclass
@@ -77,6 +86,7 @@ class _Watched:
     changed: float = 0.0  # when it last entered or finished a step (or the watch began)
     behind_since: float | None = None
     stopped_since: float | None = None
+    state: str = ""  # its last /proc state letter ('' if unknown)
 
     @property
     def exiting(self) -> bool:
@@ -202,7 +212,8 @@ class Watchdog:
                     w.changed = now
                     w.behind_since = None
                 w.beat = beat
-            if process_state(w.pid) == "T":
+            w.state = process_state(w.pid)
+            if w.state in _STOPPED:
                 w.stopped_since = w.stopped_since or now
             else:
                 w.stopped_since = None
@@ -273,15 +284,14 @@ class Watchdog:
         """What the evidence says of the blamed worker, and how long it has held the others up."""
         steps = w.beat.finished
         after = f"after its step {steps}" if steps else "before its first step"
-        if w.stopped_since is not None:
-            since = w.changed if steps else w.stopped_since
-            quiet = now - since
-            what = (
-                f"completed no step for {quiet:.1f} s {after}"
-                if steps
-                else (f"was stopped for {now - w.stopped_since:.1f} s {after}")
-            )
-            return f"{what} (the process was stopped by a signal, e.g. SIGSTOP)", quiet
+        if w.stopped_since is not None:  # only on the evidence of its /proc state
+            by, evidence = _STOPPED.get(w.state, _STOPPED["T"])
+            stopped = now - w.stopped_since
+            if steps:
+                quiet = now - w.changed
+                what = f"completed no step for {quiet:.1f} s {after} (its process has been"
+                return f"{what} {by} for {stopped:.1f} s: {evidence})", quiet
+            return f"has been {by} for {stopped:.1f} s {after} ({evidence})", stopped
         if w.behind_since is not None:
             quiet = now - w.behind_since
             peers = [p for p in live if p is not w and _waits_for(p.beat, w.beat)]
@@ -331,7 +341,7 @@ def _where(w: _Watched, running: bool, callback: str | None) -> str:
     if not running:
         return "ended"
     if w.stopped_since is not None:
-        return "stopped by a signal"
+        return f"{_STOPPED.get(w.state, _STOPPED['T'])[0]} (/proc state {w.state or 'T'})"
     if beat.exiting:
         return "exiting (its script returned)"
     if beat.compiling:

@@ -421,6 +421,51 @@ def test_the_watchdog_names_a_worker_absent_while_a_peer_waits_never_a_slow_comp
     assert [row.split()[:2] for row in hang.table] == [["rank", "steps"], ["0", "0"], ["1", "0"]]
 
 
+def test_the_watchdog_says_stopped_only_when_the_process_state_says_so(tmp_path, marker):
+    """Issue 32: a worker that never stepped was reported "stopped" though it was not."""
+    from fdp.launch._watchdog import Watchdog, process_state
+
+    sleeper = start(["-c", "import time; time.sleep(30)"], marker)  # never steps; not stopped
+    try:
+        wait_until(lambda: process_state(sleeper.pid) == "S")  # started, and sleeping
+        beats = {r: tmp_path / f"rank_{r}.heartbeat" for r in (0, 1)}
+        dog = Watchdog(0.3, [(0, os.getpid(), str(beats[0])), (1, sleeper.pid, str(beats[1]))])
+        _beat(beats[0], 1, 0, "-", 1, "store key 'host/1'")  # rank 0 waits for rank 1
+        dog.check({0, 1})
+        time.sleep(0.4)
+        hang = dog.check({0, 1})
+        assert (hang.rank, hang.steps, hang.stopped) == (1, 0, False)
+        assert hang.describe().startswith("hung: it did not reach its first step for 0.")
+        assert "stopped" not in hang.describe()
+        assert hang.table[2].split()[:2] == ["1", "0"] and "before its first step" in hang.table[2]
+        assert "stopped" not in "".join(hang.table)
+        os.kill(sleeper.pid, signal.SIGSTOP)  # now it is stopped, and says so
+        wait_until(lambda: process_state(sleeper.pid) == "T")
+        dog.check({0, 1})
+        time.sleep(0.4)
+        hang = dog.check({0, 1})
+        assert (hang.rank, hang.stopped) == (1, True)
+        assert hang.describe().startswith("hung: it has been stopped by a signal for 0.")
+        assert hang.describe().endswith(
+            "before its first step (/proc state T, e.g. SIGSTOP or SIGTSTP)"
+        )
+        assert "stopped by a signal (/proc state T)" in hang.table[2]
+        os.kill(sleeper.pid, signal.SIGCONT)  # running again: no longer called stopped
+        wait_until(lambda: process_state(sleeper.pid) == "S")
+        hang = dog.check({0, 1})
+        assert not hang.stopped and "stopped" not in hang.describe()
+    finally:
+        sleeper.kill()
+        sleeper.communicate()
+
+
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
 def test_the_watchdog_never_takes_compiling_or_the_exit_for_a_hang(tmp_path):
     from fdp.launch._watchdog import Watchdog
 
