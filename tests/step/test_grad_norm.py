@@ -7,8 +7,6 @@ shares over the data axis; leaves kept whole (the head's bias of 10 on 8 devices
 are counted once.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,13 +38,13 @@ def linen_reference(state, batch):
 def test_linen_grad_norm_is_the_full_batch_gradient_norm(stage, accumulate, kept_gathered):
     state, batch = linen_state(), make_data(1, 32)
     expected = linen_reference(state, batch)
+    # kept_gathered: stage 3 gathering every bucket at the start (not per use).
+    sharding = fdp.Sharding(zero_stage=stage, reshard_after_forward=not kept_gathered)
     step = fdp.train_step(
         cross_entropy(state.apply_fn),
-        sharding=fdp.Sharding(zero_stage=stage),
+        sharding=sharding,
         accumulation=fdp.Accumulation(steps=accumulate),
     )
-    if kept_gathered:  # stage 3 gathering every bucket at the start (not per use)
-        step._config = dataclasses.replace(step._config, reshard_after_forward=False)
     _, metrics = step(state, fdp.shard_batch(batch))
     assert metrics["grad_norm"].shape == () and metrics["grad_norm"].dtype == jnp.float32
     np.testing.assert_allclose(float(metrics["grad_norm"]), expected, rtol=2e-6)
