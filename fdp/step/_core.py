@@ -46,8 +46,9 @@ class Reduced(NamedTuple):
       keep: per parameter leaf, whether the update must leave it (and its
         optimizer state) untouched: ``True``, ``False`` or a traced bool; None
         when no leaf is kept.
-      metrics: ``({"loss": ..., "grad_norm": ..., "aux": ...}, gathered)``
-        over the whole batch (``grad_norm``: :mod:`fdp.step._norm`): see
+      metrics: ``({"loss": ..., "aux": ...}, gathered)`` over the whole batch,
+        with ``"grad_norm"`` when the reduction policy asks for it
+        (:mod:`fdp.step._norm`): see
         :func:`reduce_metrics`; :func:`join_metrics` makes it one.
     """
 
@@ -213,8 +214,9 @@ def reduce_step(
     if tracked and (plan.usage.unused or plan.usage.conditional):
         keep = tuple(untouched_flags(plan.usage, out.used, axis))
     metrics = reduce_metrics(out.global_loss(axis), out.aux, axis, out.aux_rows)
-    shared = per_use or config.scatters_gradients  # each device holds its share of split leaves
-    metrics[0]["grad_norm"] = global_norm(grads, dims if shared else None, axis)
+    if config.reduction.grad_norm:  # each device may hold its share of split leaves
+        shared = per_use or config.scatters_gradients
+        metrics[0]["grad_norm"] = global_norm(grads, dims if shared else None, axis)
     if finite.enabled():  # FDP_CHECK_FINITE=1: each device's loss and gradients, tested
         metrics[0][finite.KEY] = finite.codes(out.loss, out.grads, axis, n)
     return Reduced(

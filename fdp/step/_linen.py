@@ -345,9 +345,10 @@ def train_step(
 
     Returns:
       A :class:`DataParallelStep`: ``state, metrics = step(state, batch)``,
-      where ``metrics['loss']`` is the loss over the whole batch and
-      ``metrics['grad_norm']`` the global L2 norm of the reduced (averaged)
-      gradient, as ``optax.clip_by_global_norm`` sees it.
+      where ``metrics['loss']`` is the loss over the whole batch; with
+      ``reduction=fdp.Reduction(grad_norm=True)``, ``metrics['grad_norm']`` is
+      the global L2 norm of the reduced (averaged) gradient, as
+      ``optax.clip_by_global_norm`` sees it.
 
     Raises:
       ValueError: the mesh has no ``axis_name`` axis, a cap is not positive, an

@@ -378,7 +378,7 @@ def nnx_train_step(
 
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``,
-      with ``metrics['loss']`` and ``metrics['grad_norm']`` as in :func:`fdp.train_step`.
+      with ``metrics['loss']`` (and ``metrics['grad_norm']``) as in :func:`fdp.train_step`.
 
     Raises:
       ValueError: a hook whose replicas diverge, a model averager, or

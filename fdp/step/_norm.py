@@ -1,6 +1,7 @@
 """The global norm of the reduced gradient, as ``optax.clip_by_global_norm`` sees it.
 
-Every step reports it in ``metrics['grad_norm']``: the L2 norm over all leaves of
+A step made with ``reduction=fdp.Reduction(grad_norm=True)`` reports it in
+``metrics['grad_norm']``: the L2 norm over all leaves of
 the averaged gradient the update receives (``optax.global_norm`` of the
 single-device full-batch gradient). Where the gradients are whole on every
 device (DDP, ZeRO stage 1 with a hook that all-reduces) it is a local reduction;

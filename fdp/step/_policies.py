@@ -85,6 +85,10 @@ class Reduction:
       model_averager: averages parameters over the data axis (or groups of it)
         after the update (post-local SGD, :func:`fdp.hooks.diloco`), or None.
         DiLoCo brings its own comm hook.
+      grad_norm: also return the reduced gradient's global L2 norm in
+        ``metrics['grad_norm']`` (what ``optax.clip_by_global_norm`` sees;
+        :mod:`fdp.step._norm`). Off by default: at stage 0 it is one more read
+        of the whole gradient, at stages 1-3 one all-reduce of a scalar.
 
     Example:
       >>> import fdp
@@ -104,8 +108,12 @@ class Reduction:
     hierarchical: bool = False
     reduce_dtype: Any = None
     model_averager: ModelAverager | None = None
+    # New in this policy: not a flat keyword of fdp 0.1, so the shim does not take it.
+    grad_norm: bool = dataclasses.field(default=False, metadata={"new": True})
 
     def __post_init__(self) -> None:
+        if not isinstance(self.grad_norm, bool):
+            raise TypeError(f"grad_norm must be True or False, got {self.grad_norm!r}.")
         auto = self.bucket_cap_mb == "auto"
         # A number (checked by cap_limits), or "auto": checked at DDP's default.
         cap: Any = DEFAULT_CAP_MB if auto else self.bucket_cap_mb

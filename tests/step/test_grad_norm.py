@@ -19,6 +19,8 @@ from flax.training.train_state import TrainState
 import fdp
 from fdp.observe._hlo import collective_stats
 
+NORM = fdp.Reduction(grad_norm=True)
+
 
 def linen_state():
     model = MLP()
@@ -42,6 +44,7 @@ def test_linen_grad_norm_is_the_full_batch_gradient_norm(stage, accumulate, kept
     sharding = fdp.Sharding(zero_stage=stage, reshard_after_forward=not kept_gathered)
     step = fdp.train_step(
         cross_entropy(state.apply_fn),
+        reduction=NORM,
         sharding=sharding,
         accumulation=fdp.Accumulation(steps=accumulate),
     )
@@ -72,7 +75,7 @@ def test_nnx_grad_norm_is_the_full_batch_gradient_norm(stage):
     expected = float(optax.tree.norm(grads))
     model = Net(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    metrics = fdp.nnx_train_step(nnx_loss, sharding=fdp.Sharding(zero_stage=stage))(
+    metrics = fdp.nnx_train_step(nnx_loss, reduction=NORM, sharding=fdp.Sharding(zero_stage=stage))(
         model, optimizer, fdp.shard_batch(batch)
     )
     np.testing.assert_allclose(float(metrics["grad_norm"]), expected, rtol=2e-6)
@@ -80,9 +83,23 @@ def test_nnx_grad_norm_is_the_full_batch_gradient_norm(stage):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_norm_adds_one_scalar_all_reduce_only_where_gradients_are_split(stage):
-    """Stage 0 reduces the whole gradient locally; the split stages sum one scalar more."""
-    state, batch = linen_state(), make_data(1, 32)
-    step = fdp.train_step(cross_entropy(state.apply_fn), sharding=fdp.Sharding(zero_stage=stage))
-    ops = collective_stats(step.lower(state, fdp.shard_batch(batch)).as_text()).ops
-    scalars = [op for op in ops if op.kind == "all-reduce" and op.shapes == ((),)]
-    assert len(scalars) == (1 if stage == 0 else 2)  # the loss's, and the norm's
+    """Stage 0 reduces the whole gradient locally; the split stages sum one scalar more.
+
+    Off (the default), the step has no norm and no extra all-reduce."""
+    batch = make_data(1, 32)
+    sharding = fdp.Sharding(zero_stage=stage)
+    counts = {}
+    for norm in (False, True):
+        state = linen_state()  # the step donates the state it is given
+        reduction = fdp.Reduction(grad_norm=norm)
+        step = fdp.train_step(cross_entropy(state.apply_fn), reduction=reduction, sharding=sharding)
+        ops = collective_stats(step.lower(state, fdp.shard_batch(batch)).as_text()).ops
+        counts[norm] = sum(op.kind == "all-reduce" and op.shapes == ((),) for op in ops)
+        _, metrics = step(state, fdp.shard_batch(batch))
+        assert ("grad_norm" in metrics) == norm
+    assert counts == {False: 1, True: 1 if stage == 0 else 2}  # the loss's, and the norm's
+
+
+def test_grad_norm_must_be_a_bool():
+    with pytest.raises(TypeError, match="grad_norm must be True or False, got 1"):
+        fdp.Reduction(grad_norm=1)
