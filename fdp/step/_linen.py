@@ -143,6 +143,17 @@ class DataParallelStep(StepRunner):
 
         Raises:
           TypeError: ``make_state`` does not build a ``TrainState``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> import fdp
+          >>> def make_state(key):
+          ...     params = {"w": jax.random.normal(key, (16, 4))}
+          ...     return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
+          >>> step = fdp.train_step(lambda p, b: jnp.mean(b["x"] @ p["w"]), zero_stage=3)
+          >>> state = step.init_sharded(make_state, jax.random.key(0))
+          >>> state.params["w"].shape, state.params["w"].addressable_shards[0].data.shape
+          ((16, 4), (2, 4))
         """
         layout = self.abstract_init(make_state, *args)
         state = build_sharded(make_state, args, shardings_of(layout))

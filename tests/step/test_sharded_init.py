@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from _models import MLP, cross_entropy, make_data
+from _procs import launch
 from flax import nnx
 from flax.training.train_state import TrainState
 
@@ -112,6 +113,23 @@ def test_nnx_equals_whole_then_placed(stage):
     )
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"comm_hook": "noop"}, {"zero_stage": 1, "comm_hook": fdp.hooks.powersgd(1)}],
+    ids=["stage0", "per_device_copies", "stage1_stateful_hook"],
+)
+def test_the_rest_of_init_still_applies(settings):
+    """Replicated at stage 0, one copy per device for `noop`, the hook's state filled."""
+
+    def make(key):  # fdp.TrainState: room for the hook's state
+        params = MODEL.init(key, jnp.zeros((1, 8, 8, 1)))["params"]
+        return fdp.TrainState.create(apply_fn=MODEL.apply, params=params, tx=TX)
+
+    got = fdp.train_step(loss_fn, **settings).init_sharded(make, jax.random.key(0))
+    want = fdp.train_step(loss_fn, **settings).init(make(jax.random.key(0)))
+    assert_same_placed(got, want)
+
+
 def linen_init(stage):
     step = fdp.train_step(loss_fn, zero_stage=stage)
     layout = step.abstract_init(make_state, jax.random.key(0))
@@ -189,3 +207,12 @@ def test_linen_make_state_must_build_a_train_state():
     step = fdp.train_step(loss_fn, zero_stage=1)
     with pytest.raises(TypeError, match="state must be a flax.training.train_state.TrainState"):
         step.init_sharded(lambda key: {"w": jax.random.normal(key, (8,))}, jax.random.key(0))
+
+
+def test_two_processes_build_restore_and_train_their_shards(tmp_path, marker):
+    """2 processes x 2 devices at stage 3: each checks its own shards against build-whole."""
+    out = launch(
+        ["--nproc-per-node", "2"], "sharded_init.py", ["--ckpt-dir", tmp_path / "ck"], marker
+    )
+    assert out.returncode == 0, out.output
+    assert out.output.count("sharded init ok") == 2, out.output
