@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import jax
@@ -150,7 +151,8 @@ class DataParallelStep(StepRunner):
           >>> def make_state(key):
           ...     params = {"w": jax.random.normal(key, (16, 4))}
           ...     return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
-          >>> step = fdp.train_step(lambda p, b: jnp.mean(b["x"] @ p["w"]), zero_stage=3)
+          >>> step = fdp.train_step(lambda p, b: jnp.mean(b["x"] @ p["w"]),
+          ...                        sharding=fdp.Sharding(zero_stage=3))
           >>> state = step.init_sharded(make_state, jax.random.key(0))
           >>> state.params["w"].shape, state.params["w"].addressable_shards[0].data.shape
           ((16, 4), (2, 4))

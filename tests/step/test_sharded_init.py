@@ -71,9 +71,11 @@ def held_per_device(tree):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_linen_equals_whole_then_placed(stage):
-    step = fdp.train_step(loss_fn, zero_stage=stage)
+    step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=stage))
     got = step.init_sharded(make_state, jax.random.key(0))
-    want = fdp.train_step(loss_fn, zero_stage=stage).init(make_state(jax.random.key(0)))
+    want = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=stage)).init(
+        make_state(jax.random.key(0))
+    )
     assert_same_placed(got, want)
     kernel = got.opt_state[0].mu["Dense_0"]["kernel"]  # [64, 64]: 8 rows each
     assert kernel.addressable_shards[0].data.shape == (64 // N, 64)
@@ -92,10 +94,10 @@ def test_linen_equals_whole_then_placed(stage):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_nnx_equals_whole_then_placed(stage):
-    step = fdp.nnx_train_step(nnx_loss, zero_stage=stage)
+    step = fdp.nnx_train_step(nnx_loss, sharding=fdp.Sharding(zero_stage=stage))
     model, optimizer = step.init_sharded(make_pair, jax.random.key(0))
     want_model, want_opt = make_pair(jax.random.key(0))
-    fdp.nnx_train_step(nnx_loss, zero_stage=stage).init(want_model, want_opt)
+    fdp.nnx_train_step(nnx_loss, sharding=fdp.Sharding(zero_stage=stage)).init(want_model, want_opt)
     assert_same_placed(nnx.state((model, optimizer)), nnx.state((want_model, want_opt)))
     mu = optimizer.opt_state[0].mu["hidden"]["kernel"]  # [64, 32]
     assert mu[...].addressable_shards[0].data.shape == (64 // N, 32)
@@ -115,7 +117,14 @@ def test_nnx_equals_whole_then_placed(stage):
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"comm_hook": "noop"}, {"zero_stage": 1, "comm_hook": fdp.hooks.powersgd(1)}],
+    [
+        {},
+        {"reduction": fdp.Reduction(comm_hook="noop")},
+        {
+            "sharding": fdp.Sharding(zero_stage=1),
+            "reduction": fdp.Reduction(comm_hook=fdp.hooks.powersgd(1)),
+        },
+    ],
     ids=["stage0", "per_device_copies", "stage1_stateful_hook"],
 )
 def test_the_rest_of_init_still_applies(settings):
@@ -131,13 +140,13 @@ def test_the_rest_of_init_still_applies(settings):
 
 
 def linen_init(stage):
-    step = fdp.train_step(loss_fn, zero_stage=stage)
+    step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=stage))
     layout = step.abstract_init(make_state, jax.random.key(0))
     return make_state, layout, lambda: step.init_sharded(make_state, jax.random.key(0))
 
 
 def nnx_init(stage):
-    step = fdp.nnx_train_step(nnx_loss, zero_stage=stage)
+    step = fdp.nnx_train_step(nnx_loss, sharding=fdp.Sharding(zero_stage=stage))
     layout = nnx.state(step.abstract_init(make_pair, jax.random.key(0)))
     built = lambda: nnx.state(step.init_sharded(make_pair, jax.random.key(0)))  # noqa: E731
     return lambda key: nnx.split(make_pair(key))[1], layout, built
@@ -162,7 +171,7 @@ def test_compiled_init_holds_only_shards(front):
 
 
 def test_abstract_init_is_the_placed_layout():
-    step = fdp.train_step(loss_fn, zero_stage=3)
+    step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=3))
     layout = step.abstract_init(make_state, jax.random.key(0))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(layout))
     placed = step.init(make_state(jax.random.key(0)))
@@ -170,7 +179,7 @@ def test_abstract_init_is_the_placed_layout():
 
 
 def test_restore_into_abstract_template_lands_sharded(tmp_path):
-    step = fdp.train_step(loss_fn, zero_stage=3)
+    step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=3))
     state = step.init_sharded(make_state, jax.random.key(0))
     state, _ = step(state, fdp.shard_batch(batches(1)[0]))
     with fdp.CheckpointManager(tmp_path) as ckpt:
@@ -184,13 +193,13 @@ def test_restore_into_abstract_template_lands_sharded(tmp_path):
 
 
 def test_nnx_restore_into_abstract_template_lands_sharded(tmp_path):
-    step = fdp.nnx_train_step(nnx_loss, zero_stage=3)
+    step = fdp.nnx_train_step(nnx_loss, sharding=fdp.Sharding(zero_stage=3))
     model, optimizer = step.init_sharded(make_pair, jax.random.key(0))
     step(model, optimizer, fdp.shard_batch(batches(1)[0]))
     with fdp.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, (model, optimizer))
         ckpt.wait_until_finished()
-        template = fdp.nnx_train_step(nnx_loss, zero_stage=3).abstract_init(
+        template = fdp.nnx_train_step(nnx_loss, sharding=fdp.Sharding(zero_stage=3)).abstract_init(
             make_pair, jax.random.key(1)
         )
         ckpt.restore(template)
@@ -198,13 +207,13 @@ def test_nnx_restore_into_abstract_template_lands_sharded(tmp_path):
 
 
 def test_make_must_return_model_and_optimizer():
-    step = fdp.nnx_train_step(nnx_loss, zero_stage=1)
+    step = fdp.nnx_train_step(nnx_loss, sharding=fdp.Sharding(zero_stage=1))
     with pytest.raises(TypeError, match=r"make must return \(model, optimizer\)"):
         step.init_sharded(lambda key: Net(nnx.Rngs(key)), jax.random.key(0))
 
 
 def test_linen_make_state_must_build_a_train_state():
-    step = fdp.train_step(loss_fn, zero_stage=1)
+    step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=1))
     with pytest.raises(TypeError, match="state must be a flax.training.train_state.TrainState"):
         step.init_sharded(lambda key: {"w": jax.random.normal(key, (8,))}, jax.random.key(0))
 

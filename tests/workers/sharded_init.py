@@ -47,9 +47,9 @@ def same_shards(got, want, what):
             np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data), err_msg=what)
 
 
-step = fdp.train_step(cross_entropy(model.apply), zero_stage=3)
+step = fdp.train_step(cross_entropy(model.apply), sharding=fdp.Sharding(zero_stage=3))
 sharded = step.init_sharded(make_state, jax.random.key(0))
-whole = fdp.train_step(cross_entropy(model.apply), zero_stage=3).init(
+whole = fdp.train_step(cross_entropy(model.apply), sharding=fdp.Sharding(zero_stage=3)).init(
     fdp.replicate(make_state(jax.random.key(0)))
 )
 same_shards(sharded, whole, "init")
