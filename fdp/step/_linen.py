@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import jax
@@ -23,11 +24,13 @@ from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
 from fdp.step._runner import StepRunner
+from fdp.step._sharded_init import build_sharded, shardings_of
 from fdp.step._state import (
     PerDevice,
     add_device_axis,
     hook_is_stateful,
     join_side,
+    linen_layout,
     linen_state_ready,
     prepare_linen_state,
     split_side,
@@ -100,6 +103,63 @@ class DataParallelStep(StepRunner):
             buckets = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
         self._agree("init", None, state=state)
         return prepare_linen_state(cfg, state, buckets)
+
+    def abstract_init(self, make_state: Callable[..., Any], *args: Any) -> Any:
+        """The state :meth:`init_sharded` builds, as shapes with its shardings; nothing runs.
+
+        A template for restoring a checkpoint straight into the step's layout:
+        ``fdp.CheckpointManager.restore(step.abstract_init(make_state, key))``
+        reads each device's share from disk and never builds the state whole.
+
+        Args:
+          make_state: builds the ``TrainState`` from ``args``.
+          *args: its array arguments (a PRNG key); close over the rest.
+
+        Returns:
+          The ``TrainState`` with ``jax.ShapeDtypeStruct`` leaves carrying the
+          shardings the step keeps them in (ZeRO's, or replicated).
+        """
+        abstract = jax.eval_shape(make_state, *args)
+        _check_state(abstract)
+        return linen_layout(self.config, abstract)
+
+    def init_sharded(self, make_state: Callable[..., Any], *args: Any) -> Any:
+        """``make_state(*args)`` built directly in the step's layout, then prepared.
+
+        The way to start a model too large to exist whole on one device:
+        ``make_state`` runs under ``jit`` with ``out_shardings`` set to the
+        layout the step gives each leaf (:meth:`abstract_init`), so each device
+        computes and holds only its share of the sharded leaves (the optimizer
+        state from stage 1, the parameters too at stage 3). The result equals
+        ``step.init(make_state(*args))`` exactly.
+
+        Args:
+          make_state: builds the ``TrainState`` from ``args``, for example
+            ``lambda key: TrainState.create(apply_fn=model.apply,
+            params=model.init(key, x)["params"], tx=tx)``.
+          *args: its array arguments (a PRNG key); close over the rest.
+
+        Returns:
+          The state, prepared as :meth:`init` prepares it.
+
+        Raises:
+          TypeError: ``make_state`` does not build a ``TrainState``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> import fdp
+          >>> def make_state(key):
+          ...     params = {"w": jax.random.normal(key, (16, 4))}
+          ...     return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
+          >>> step = fdp.train_step(lambda p, b: jnp.mean(b["x"] @ p["w"]),
+          ...                        sharding=fdp.Sharding(zero_stage=3))
+          >>> state = step.init_sharded(make_state, jax.random.key(0))
+          >>> state.params["w"].shape, state.params["w"].addressable_shards[0].data.shape
+          ((16, 4), (2, 4))
+        """
+        layout = self.abstract_init(make_state, *args)
+        state = build_sharded(make_state, args, shardings_of(layout))
+        return self.init(state)
 
     # -- the step -------------------------------------------------------------------------
 

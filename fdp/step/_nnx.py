@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, cast
 
 import flax.errors
@@ -25,6 +26,7 @@ from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
 from fdp.step._runner import StepRunner
+from fdp.step._sharded_init import build_sharded, shardings_of
 from fdp.step._state import (
     add_device_axis,
     hook_is_stateful,
@@ -112,12 +114,7 @@ class NNXDataParallelStep(StepRunner):
     ) -> None:
         cfg = self.config
         if not self._placed:
-            # On the mesh before the first step: the step's outputs are, and inputs placed
-            # otherwise would compile the step a second time on the next call. With
-            # several processes this also hands everyone process 0's values.
-            nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.bound_mesh))
-            if cfg.zero_stage:
-                self._place_zero(model, optimizer)
+            self._place(model, optimizer)
             self._placed = True
         if hasattr(optimizer, "fdp_comm_state"):
             return
@@ -129,6 +126,72 @@ class NNXDataParallelStep(StepRunner):
             hook_state = init_hook_state(cfg, buckets, params, stacked=False)
             # An attribute fdp adds to the optimizer (nnx tracks it as state).
             optimizer.fdp_comm_state = CommState(hook_state)  # pyright: ignore[reportAttributeAccessIssue]
+
+    def _place(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+        """Places ``model`` and ``optimizer`` (arrays, or shape structs) in the step's layout."""
+        # On the mesh before the first step: the step's outputs are, and inputs placed
+        # otherwise would compile the step a second time on the next call. With
+        # several processes this also hands everyone process 0's values.
+        cfg = self.config
+        nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.bound_mesh))
+        if cfg.zero_stage:
+            self._place_zero(model, optimizer)
+
+    def abstract_init(
+        self, make: Callable[..., tuple[nnx.Module, nnx.Optimizer]], *args: Any
+    ) -> tuple[nnx.Module, nnx.Optimizer]:
+        """The model and optimizer :meth:`init_sharded` builds, as shapes; nothing runs.
+
+        A template for restoring a checkpoint straight into the step's layout:
+        ``ckpt.restore(step.abstract_init(make, key))`` fills the abstract
+        model and optimizer in place with each device's share, never whole.
+
+        Args:
+          make: builds ``(model, optimizer)`` from ``args``.
+          *args: its array arguments (a PRNG key); close over the rest.
+
+        Returns:
+          ``(model, optimizer)`` (``nnx.eval_shape``) whose variables hold
+          ``jax.ShapeDtypeStruct`` values carrying the step's shardings.
+        """
+        model, optimizer = _built_pair(nnx.eval_shape(make, *args))
+        self._place(model, optimizer)
+        return model, optimizer
+
+    def init_sharded(
+        self, make: Callable[..., tuple[nnx.Module, nnx.Optimizer]], *args: Any
+    ) -> tuple[nnx.Module, nnx.Optimizer]:
+        """``make(*args)`` built directly in the step's layout, then initialised.
+
+        The way to start a model too large to exist whole on one device: the
+        model and optimizer are built under ``jit`` with ``out_shardings`` set
+        to the layout the step gives each variable (:meth:`abstract_init`), so
+        each device computes and holds only its share of the sharded ones (the
+        optimizer state from stage 1, the parameters too at stage 3). The
+        result equals ``make(*args)`` after ``step.init`` exactly.
+
+        Args:
+          make: builds ``(model, optimizer)`` from ``args``, for example
+            ``lambda key: (m := Model(rngs=nnx.Rngs(key)), nnx.Optimizer(m, tx,
+            wrt=nnx.Param))``.
+          *args: its array arguments (a PRNG key); close over the rest.
+
+        Returns:
+          ``(model, optimizer)``, initialised as :meth:`init` initialises them.
+
+        Raises:
+          TypeError: ``make`` does not return ``(model, nnx.Optimizer)``.
+        """
+        graphdef, abstract = nnx.split(self.abstract_init(make, *args))
+
+        def build(*a: Any) -> Any:
+            return nnx.split(make(*a))[1]
+
+        state = build_sharded(build, args, shardings_of(abstract))
+        model, optimizer = nnx.merge(graphdef, state)
+        self._placed = True  # placing again would first replicate: whole on every device
+        self.init(model, optimizer)
+        return model, optimizer
 
     def _place_zero(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
         """Shards the optimizer state (and at stage 3 the parameters) over the data axis."""
@@ -297,6 +360,21 @@ class NNXDataParallelStep(StepRunner):
             (graphdef, state, batch, mask), lambda: self._plan(model, optimizer, batch, mask)
         )
         return plan, graphdef, comm, state
+
+
+def _built_pair(built: Any) -> tuple[nnx.Module, nnx.Optimizer]:
+    """``built`` if it is ``(model, optimizer)``, else an error naming what ``make`` returned."""
+    if (
+        not isinstance(built, tuple)
+        or len(built) != 2
+        or not isinstance(built[0], nnx.Module)
+        or not isinstance(built[1], nnx.Optimizer)
+    ):
+        raise TypeError(
+            "make must return (model, optimizer): an nnx.Module and the nnx.Optimizer "
+            f"over it, got {type(built).__name__}."
+        )
+    return built
 
 
 def _captured_object_error(error: Exception) -> TypeError:

@@ -202,6 +202,26 @@ def place_zero(config: StepConfig, params: Any, opt_state: Any) -> tuple[Any, An
     )
 
 
+def place_zero_core(config: StepConfig, core: Any) -> Any:
+    """A Linen state on the mesh with its parameters and optimizer state given ZeRO's layout."""
+    params, opt_state = place_zero(config, core.params, core.opt_state)
+    return core.replace(params=params, opt_state=opt_state)
+
+
+def linen_layout(config: StepConfig, state: Any) -> Any:
+    """An abstract Linen state (shape structs) placed as :func:`prepare_linen_state` places it.
+
+    Before any per-device copies or hook state are added (the step adds those
+    to the state it is given); the side fields (``batch_stats``) replicated, as
+    the step's outputs are.
+    """
+    core, side = split_side(state)
+    core = replicate(core, config.bound_mesh)
+    if config.zero_stage:
+        core = place_zero_core(config, core)
+    return join_side(core, replicate(side, config.bound_mesh) if side else side)
+
+
 def linen_state_ready(config: StepConfig, state: Any, stateful_hook: bool) -> bool:
     """Whether a Linen state that went through a step needs no more preparing (cheap)."""
     if config.per_device_state and not _stacked(config, state):
@@ -231,8 +251,7 @@ def prepare_linen_state(config: StepConfig, state: Any, buckets: BucketPlan) -> 
             core, side = split_side(state)
             if not on_mesh(core, config.bound_mesh):
                 core = replicate(core, config.bound_mesh)
-            params, opt_state = place_zero(config, core.params, core.opt_state)
-            state = join_side(core.replace(params=params, opt_state=opt_state), side)
+            state = join_side(place_zero_core(config, core), side)
     elif not _stacked(config, state):
         core, side = split_side(state)
         home = NamedSharding(config.bound_mesh, P())
