@@ -187,12 +187,19 @@ def test_an_nnx_step_with_dropout_compiles_from_shapes_alone(gpu_mesh, zero_stag
         logits = model(batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    step = fdp.nnx_train_step(loss, mesh=gpu_mesh, zero_stage=zero_stage)
+    # Stage 3 kept gathered: one named reduction per bucket, as at stage 0.
+    kept = fdp.Sharding(zero_stage=zero_stage, reshard_after_forward=False)
+    step = fdp.nnx_train_step(loss, mesh=gpu_mesh, sharding=kept)
     ops = collective_stats(step.lower(model, optimizer, batch).compile()).ops
     kind = REDUCTION[zero_stage]
     assert sorted(op.buckets for op in ops if op.kind == kind and op.buckets) == [
         (b.index,) for b in step.plan.buckets
     ]
+    if zero_stage == 3:  # gathered per use: each leaf's gradient leaves as a reduce-scatter
+        step = fdp.nnx_train_step(loss, mesh=gpu_mesh, sharding=fdp.Sharding(zero_stage=3))
+        ops = collective_stats(step.lower(model, optimizer, batch).compile()).ops
+        assert sum(op.kind == "reduce-scatter" for op in ops) >= len(step.plan.buckets)
+        assert sum(op.kind == "all-gather" for op in ops) >= 2 * len(step.plan.buckets)
 
 
 def test_fdp_describe_reads_the_gpu_program(gpu_mesh, capsys):
