@@ -36,6 +36,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from fdp._process import pid_alive
 from fdp.collectives._axis import AxisName, axis_size
 
 log = logging.getLogger(__name__)
@@ -294,16 +295,6 @@ def _record(raw: bytes, rank: int) -> list[Any]:
     return record
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
-
-
 def remove_stale(directory: str = SHM_DIR) -> list[str]:
     """Removes the regions that processes killed during a set-up left behind.
 
@@ -324,7 +315,7 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         pid = name[len(PREFIX) :].split("-", 1)[0] if name.startswith(PREFIX) else ""
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         path = os.path.join(directory, name)
         try:

@@ -27,21 +27,13 @@ import os
 import socket
 import tempfile
 
+from fdp._process import pid_alive
+
 RUN_ID_VAR = "FDP_RUN_ID"
 
 
 def _path(port: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"fdp-coordinator-{port}.json")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 def is_local(host: str) -> bool:
@@ -79,7 +71,7 @@ def claim(port: int, run_id: str | None) -> None:
     path = _path(port)
     for other in glob.glob(_path(0).replace("-0.json", "-*.json")):
         pid = _owner(other)
-        if other != path and pid is not None and not _alive(pid):
+        if other != path and pid is not None and not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(other)
     # Best effort: another user's stale claim on this port may not be ours to replace.
@@ -120,7 +112,7 @@ def check(address: str, host: str, port: int, run_id: str | None) -> None:
         owner, pid = record.get("run_id"), int(record["pid"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
-    if owner == run_id or not _alive(pid):
+    if owner == run_id or not pid_alive(pid):
         return
     raise RuntimeError(
         f"fdp.init: the coordinator at {address} belongs to another run ({RUN_ID_VAR}="
