@@ -50,7 +50,7 @@ def since_first_step(result):
         (["--zero-stage-rank1", "2"], "zero_stage: 0 on process(es) [0]; 2 on process(es) [1]"),
         (
             ["--hook-rank1", "bf16_compress"],
-            "comm_hook: allreduce on process(es) [0]; bf16_compress on process(es) [1]",
+            "comm_hook: shm_where_possible on process(es) [0]; bf16_compress on process(es) [1]",
         ),
     ],
     ids=["zero_stage", "comm_hook"],
