@@ -112,19 +112,7 @@ def grad_bytes(params, stage: int, n: int) -> int:
 
 
 def compiled_memory(step, state, batch) -> dict[str, int]:
-    mem = step.lower(state, batch).compile().memory_analysis()
-    return {
-        "argument": int(mem.argument_size_in_bytes),
-        "output": int(mem.output_size_in_bytes),
-        "alias": int(mem.alias_size_in_bytes),
-        "temp": int(mem.temp_size_in_bytes),
-        "footprint": int(
-            mem.argument_size_in_bytes
-            + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes
-            + mem.temp_size_in_bytes
-        ),
-    }
+    return compiled_memory_of(step.lower(state, batch))
 
 
 def memory_rows(bench, batch_rows: int, materialise: bool, n: int) -> dict[int, dict]:
