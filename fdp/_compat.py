@@ -4,8 +4,8 @@ fdp relies on a few things JAX does not promise to keep: where a value's type
 records the mesh axes it varies over (and those its explicit sharding splits it
 over), the primitive ``jax.grad`` sums a replicated value's gradient with, the
 size of a jitted function's cache, the name of XLA:CPU's all-reduce combiner
-pass, the parameter names of a few jaxpr primitives, and the coordination-service
-client. Each is read here and nowhere
+pass, the primitives and parameter names of a few jaxpr equations, and the
+coordination-service client. Each is read here and nowhere
 else, and each read checks what it finds: a JAX release that renames or moves one
 of them makes fdp raise :class:`JaxCompatibilityError`, naming the JAX version,
 instead of silently doing the wrong thing (for the varying axes, silently
@@ -21,10 +21,11 @@ import functools
 import importlib.metadata
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.extend.core as jex
+import jax.extend.core.primitives as jex_primitives
 
 
 class JaxCompatibilityError(RuntimeError):
@@ -275,7 +276,79 @@ def keep_gpu_collectives_apart(kinds: tuple[str, ...]) -> dict[str, int]:
     return {GPU_COMBINE_THRESHOLDS[k]: 0 for k in kinds}
 
 
-# -- jaxpr equations (parameter-usage analysis) ---------------------------------------------
+# -- jaxpr equations (parameter-usage analysis, per-use gathers, fold_dots) -----------------
+
+
+def _primitive(name: str) -> Any:
+    """``jax.extend.core.primitives.<name>``, failing closed."""
+    primitive = getattr(jex_primitives, name, None)
+    if primitive is None:
+        raise _broken(
+            f"the primitive {name}",
+            f"jax.extend.core.primitives has no {name}; fdp's jaxpr walks compare equations "
+            "with it",
+        )
+    return primitive
+
+
+def is_cond(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``lax.cond`` (its branches: :func:`cond_branches`)."""
+    return eqn.primitive is _primitive("cond_p")
+
+
+def is_all_gather(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``lax.all_gather``."""
+    return eqn.primitive is _primitive("all_gather_p")
+
+
+def is_dot_general(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``lax.dot_general`` (a matrix product)."""
+    return eqn.primitive is _primitive("dot_general_p")
+
+
+class DotParams(NamedTuple):
+    """The parameters of a ``dot_general`` equation that fdp reads (``lax.dot_general``'s).
+
+    Attributes:
+      contracting: ``(lhs, rhs)`` contracting dimensions.
+      batch: ``(lhs, rhs)`` batch dimensions.
+      precision: as given to ``lax.dot_general``.
+      preferred_element_type: as given to ``lax.dot_general``.
+      out_sharding: the output sharding the product was written with, or None.
+    """
+
+    contracting: tuple[tuple[int, ...], tuple[int, ...]]
+    batch: tuple[tuple[int, ...], tuple[int, ...]]
+    precision: Any
+    preferred_element_type: Any
+    out_sharding: Any
+
+
+def dot_params(eqn: Any) -> DotParams:
+    """The :class:`DotParams` of a ``dot_general`` equation.
+
+    Raises:
+      JaxCompatibilityError: the equation has no ``dimension_numbers`` of the
+        form ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+    """
+    params = eqn.params
+    try:
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        contracting = (tuple(lc), tuple(rc))
+        batch = (tuple(lb), tuple(rb))
+    except (KeyError, TypeError, ValueError):
+        raise _broken(
+            "the dimensions of a dot_general in a jaxpr",
+            f"its params are {sorted(params)} (expected 'dimension_numbers' as "
+            "((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))); fdp's fold_dots reads them",
+        ) from None
+    return DotParams(
+        contracting,
+        batch,
+        params.get("precision"),
+        params.get("preferred_element_type"),
+        params.get("out_sharding"),
+    )
 
 
 def cond_branches(eqn: Any) -> list[Any]:
@@ -317,7 +390,7 @@ def inlinable_call(eqn: Any) -> Any | None:
     program but a call; one without shardings, layouts, donation or compiler
     options of its own can be inlined. Anything else returns None.
     """
-    if eqn.primitive.name not in ("jit", "pjit"):
+    if eqn.primitive.name not in ("jit", "pjit"):  # "pjit" before the rename
         return None
     params = eqn.params
     inner = params.get("jaxpr")

@@ -49,6 +49,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from fdp import _compat as compat
+from fdp._jaxpr import evaluate
 from fdp.bucketing import BucketPlan
 from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
@@ -149,44 +150,31 @@ def _use(eqn: Any, values: list[Any]) -> list[Any]:
 
 def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]) -> list[Any]:
     """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used."""
-    env: dict[Any, Any] = {}
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jex.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        values = [read(v) for v in eqn.invars]
+    def rule(eqn: Any, values: list[Any]) -> list[Any]:
         lazy = [isinstance(x, _Lazy) for x in values]
         literal = [isinstance(v, jex.Literal) for v in eqn.invars]
         if id(eqn) in gathers:
             shard = values[0]
-            outs: list[Any] = [
-                _Lazy((shard,), lambda s, e=eqn: compat.bind_equation(e, list(s))[0])
-            ]
-        elif not any(lazy):
-            outs = compat.bind_equation(eqn, values)
-        elif (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
-            outs = _interpret(inner.jaxpr, list(inner.consts), values, set())
-        elif all(z or c for z, c in zip(lazy, literal, strict=True)):
+            return [_Lazy((shard,), lambda s, e=eqn: compat.bind_equation(e, list(s))[0])]
+        if not any(lazy):
+            return compat.bind_equation(eqn, values)
+        if (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
+            return _interpret(inner.jaxpr, list(inner.consts), values, set())
+        if all(z or c for z, c in zip(lazy, literal, strict=True)):
             # Parameters (and constants) only, a transpose or a cast: still deferred.
             shards, make = _merge(values)
             consts = [x for x, z in zip(values, lazy, strict=True) if not z]
-            outs = [
+            return [
                 _Lazy(
                     shards,
                     lambda s, k=k, e=eqn, m=make, c=consts: compat.bind_equation(e, m(s, c))[k],
                 )
                 for k in range(len(eqn.outvars))
             ]
-        else:
-            outs = _use(eqn, values)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    result = [read(v) for v in jaxpr.outvars]
+        return _use(eqn, values)
+
+    result = evaluate(jaxpr, consts, args, rule)
     # A parameter returned as it is (in aux): made whole here.
     return [x.make(x.shards) if isinstance(x, _Lazy) else x for x in result]
 
@@ -222,7 +210,7 @@ def per_use_objective(
         gathers = {
             id(e)
             for e in jaxpr.eqns
-            if e.primitive.name == "all_gather"
+            if compat.is_all_gather(e)
             and not isinstance(e.invars[0], jex.Literal)
             and e.invars[0] in sharded
         }

@@ -79,7 +79,7 @@ def _levels(jaxpr: Any, out_levels: Sequence[int]) -> list[int]:
         out = max((level.get(v, UNUSED) for v in eqn.outvars), default=UNUSED)
         if out == UNUSED:
             continue
-        if eqn.primitive.name == "cond":
+        if compat.is_cond(eqn):
             branch_levels = [
                 _levels(b, [level.get(v, UNUSED) for v in eqn.outvars])
                 for b in compat.cond_branches(eqn)
