@@ -3,6 +3,7 @@
 grad -> bucket -> all-reduce -> update, on a ``jax`` device mesh.
 """
 
+from fdp import backends as backends
 from fdp import bucketing as bucketing
 from fdp import collectives as collectives
 from fdp import hooks as hooks
@@ -96,6 +97,7 @@ __all__ = [
     "TuneResult",
     "__version__",
     "bucket_report",
+    "backends",
     "bucketing",
     "check_consistent",
     "collective_stats",

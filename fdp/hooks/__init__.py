@@ -31,7 +31,6 @@ from fdp.hooks._quantize import quantize_per_channel as quantize_per_channel
 from fdp.hooks._quantize import quantize_per_tensor as quantize_per_tensor
 from fdp.hooks._registry import HOOKS as HOOKS
 from fdp.hooks._registry import resolve as resolve
-from fdp.hooks._shm import shm_allreduce as shm_allreduce
 from fdp.hooks._two_level import hierarchical as hierarchical
 
 __all__ = [
@@ -49,7 +48,6 @@ __all__ = [
     "bf16_compress",
     "bf16_compress_wrapper",
     "compressed_allreduce",
-    "shm_allreduce",
     "diloco",
     "fp16_compress",
     "fp16_compress_wrapper",

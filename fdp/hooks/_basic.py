@@ -76,7 +76,7 @@ def default_allreduce() -> CommHook:
 
     It reduces exactly as :func:`allreduce` does. The mark lets a step bind it,
     on CPU processes of one host, to the same mean summed through shared
-    memory (:func:`fdp.hooks.shm_allreduce`; docs/performance.md); a hook
+    memory (:func:`fdp.backends.cpu.shm_allreduce`; docs/performance.md); a hook
     passed by name or object is run as given.
 
     Example:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdp.bucketing import BucketPlan, check_tree, has_gradient, plan_for
-from fdp.collectives import _shm, axis_size, is_varying
+from fdp.collectives import axis_size, is_varying
 from fdp.collectives._axis import AxisName
 from fdp.hooks._basic import allreduce
 from fdp.hooks._contract import (
@@ -22,7 +22,6 @@ from fdp.hooks._contract import (
     as_leaves,
     as_shards,
     check_layout,
-    reduce_scatter_of,
 )
 
 
@@ -41,7 +40,13 @@ class ReductionTrace:
     calls: int = 0
 
 
-# Set by fdp.ddp around its traces of the user's step; None elsewhere.
+# Set by fdp.ddp around its traces of the user's step; None elsewhere. A context
+# variable, not an argument, on purpose: fdp.ddp calls the user's function, and the
+# user's function calls fdp.reduce_gradients(grads) with no argument of fdp.ddp's
+# to pass on (the adoption path is one added line). Only a value that reaches through
+# the user's code can tell reduce_gradients that this trace is ddp's typing pass
+# (where jax.grad has already summed the gradients, which would otherwise read as the
+# double-reduction mistake) and count its calls.
 REDUCTION_TRACE: contextvars.ContextVar[ReductionTrace | None] = contextvars.ContextVar(
     "fdp_reduction_trace", default=None
 )
@@ -125,7 +130,7 @@ def reduce_with_hook(
     leaves = check_tree(plan, grads, "grads")
     check_not_reduced(leaves, plan, axis_name)
     param_leaves = None if params is None else jax.tree.leaves(params)
-    scatter = None if shard_dims is None else reduce_scatter_of(hook)
+    scatter = None if shard_dims is None else hook.reduce_scatter
     if shard_dims is not None and scatter is None:
         raise ValueError(
             f"comm hook {hook.name!r} has no reduce-scatter form (ZeRO stages 2 and 3); "
@@ -136,29 +141,32 @@ def reduce_with_hook(
     # jax.grad gives them), constants and so replicated by nature.
     out = [no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
     last = len(plan.buckets) - 1
-    # Shared-memory sums (comm_hook='shm_allreduce') run in bucket order on every process.
-    with _shm.ordered(largest=max((b.nbytes for b in plan.buckets), default=0)):
-        for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
-            grad_bucket = GradBucket(
-                bucket,
-                [leaves[i] for i in bucket.leaf_indices],
-                is_last=bucket.index == last,
-                axis_name=axis_name,
-                layout=layout,
-                parameters=None
-                if param_leaves is None
-                else [param_leaves[i] for i in bucket.leaf_indices],
-                shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
-            )
-            with jax.named_scope(f"fdp_bucket_{bucket.index}"):
-                if scatter is not None:
-                    result, state = scatter(state, grad_bucket)
-                    reduced = as_shards(hook, grad_bucket, result)
-                else:
-                    result, state = hook.reduce(state, grad_bucket)
-                    reduced = as_leaves(hook, grad_bucket, result)
-            for i, leaf in zip(bucket.leaf_indices, reduced, strict=True):
-                out[i] = leaf
+    largest = max((b.nbytes for b in plan.buckets), default=0)
+    after = None  # the previous bucket's reduced gradients: each bucket comes after it
+    for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
+        grad_bucket = GradBucket(
+            bucket,
+            [leaves[i] for i in bucket.leaf_indices],
+            is_last=bucket.index == last,
+            axis_name=axis_name,
+            layout=layout,
+            parameters=None
+            if param_leaves is None
+            else [param_leaves[i] for i in bucket.leaf_indices],
+            shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
+            after=after,
+            largest_nbytes=largest,
+        )
+        with jax.named_scope(f"fdp_bucket_{bucket.index}"):
+            if scatter is not None:
+                result, state = scatter(state, grad_bucket)
+                reduced = as_shards(hook, grad_bucket, result)
+            else:
+                result, state = hook.reduce(state, grad_bucket)
+                reduced = as_leaves(hook, grad_bucket, result)
+        for i, leaf in zip(bucket.leaf_indices, reduced, strict=True):
+            out[i] = leaf
+        after = reduced
     return jax.tree.unflatten(plan.treedef, out), state
 
 

@@ -12,7 +12,6 @@ buffer. fdp's functional form returns the reduced values and the new state:
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -50,6 +49,12 @@ class GradBucket:
         work either way (the default all-reduce) follow it.
       shard_dims: with ZeRO stage 2 or 3, per gradient the dimension its
         reduced value is scattered along (None: kept whole); else None.
+      after: the previous bucket's reduced gradients in this reduction (None
+        for the first bucket). A hook whose calls have side effects outside
+        XLA (the CPU backend's shared-memory sum) takes it as an operand, so
+        that every process runs those calls in bucket order.
+      largest_nbytes: the bytes of the largest bucket of this reduction (a
+        hook that reserves room for every bucket at the first one reads it).
     """
 
     def __init__(
@@ -62,6 +67,8 @@ class GradBucket:
         layout: str = "leaves",
         parameters: Sequence[jax.Array] | None = None,
         shard_dims: Sequence[int | None] | None = None,
+        after: Sequence[jax.Array] | None = None,
+        largest_nbytes: int = 0,
     ):
         self.meta = meta
         self.gradients = tuple(gradients)
@@ -70,6 +77,8 @@ class GradBucket:
         self.axis_name = axis_name
         self.layout = layout
         self.shard_dims = None if shard_dims is None else tuple(shard_dims)
+        self.after = None if after is None else tuple(after)
+        self.largest_nbytes = largest_nbytes
 
     @property
     def index(self) -> int:
@@ -131,6 +140,8 @@ class GradBucket:
             layout=self.layout,
             parameters=self.parameters,
             shard_dims=self.shard_dims,
+            after=self.after,
+            largest_nbytes=self.largest_nbytes,
         )
 
     def shard_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -147,7 +158,16 @@ InitFn = Callable[[Any, BucketPlan], HookState]
 ReduceFn = Callable[[HookState, GradBucket], tuple[Any, HookState]]
 
 
-class CommHook(NamedTuple):
+class _HookFields(NamedTuple):
+    name: str
+    init: InitFn
+    reduce: ReduceFn
+    replicated_output: bool = True
+    vma_safe: bool = True
+    reduce_scatter: ReduceFn | None = None
+
+
+class CommHook(_HookFields):
     """A comm hook: settings live in the closures, arrays in the state.
 
     Attributes:
@@ -163,25 +183,35 @@ class CommHook(NamedTuple):
         typing (``psum`` does; ``all_gather`` followed by a local reduction and
         grouped ``psum`` do not). ``False`` runs the step's ``shard_map`` with
         ``check_vma=False``.
+      reduce_scatter: the hook's reduce-scatter form, for ZeRO stages 2 and 3
+        (keyword-only; see :func:`with_reduce_scatter`), or None.
 
-    A hook may also have a reduce-scatter form, for ZeRO stages 2 and 3: see
-    :func:`with_reduce_scatter`.
+    Two hooks are equal when all six fields are, so a step config holding a
+    hook stays a valid ``jax.jit`` key.
+
+    Example:
+      >>> hook = CommHook("mine", stateless_init, lambda s, b: (list(b.gradients), s))
+      >>> hook.name, hook.reduce_scatter is None
+      ('mine', True)
     """
 
-    name: str
-    init: InitFn
-    reduce: ReduceFn
-    replicated_output: bool = True
-    vma_safe: bool = True
+    __slots__ = ()
 
-
-# A hook's reduce-scatter form, keyed by its reduce function (CommHook stays the
-# 5-tuple it was, so code that unpacks hooks keeps working).
-_REDUCE_SCATTER: weakref.WeakKeyDictionary[Any, ReduceFn] = weakref.WeakKeyDictionary()
+    def __new__(
+        cls,
+        name: str,
+        init: InitFn,
+        reduce: ReduceFn,
+        replicated_output: bool = True,
+        vma_safe: bool = True,
+        *,
+        reduce_scatter: ReduceFn | None = None,
+    ) -> CommHook:
+        return super().__new__(cls, name, init, reduce, replicated_output, vma_safe, reduce_scatter)
 
 
 def with_reduce_scatter(hook: CommHook, reduce_scatter: ReduceFn) -> CommHook:
-    """Gives ``hook`` a reduce-scatter form, so ZeRO stages 2 and 3 accept it.
+    """``hook`` with a reduce-scatter form, so ZeRO stages 2 and 3 accept it.
 
     ``reduce_scatter(state, bucket) -> (shares, state)`` returns one array per
     gradient: this device's share of the reduced value along
@@ -191,18 +221,15 @@ def with_reduce_scatter(hook: CommHook, reduce_scatter: ReduceFn) -> CommHook:
     come with theirs.
 
     Returns:
-      ``hook`` itself.
+      A copy of ``hook`` whose ``reduce_scatter`` field is ``reduce_scatter``
+      (``hook`` itself is left as it was: use the value returned).
     """
-    _REDUCE_SCATTER[hook.reduce] = reduce_scatter
-    return hook
+    return hook._replace(reduce_scatter=reduce_scatter)
 
 
 def reduce_scatter_of(hook: CommHook) -> ReduceFn | None:
     """``hook``'s reduce-scatter form, or None when it has none."""
-    try:
-        return _REDUCE_SCATTER.get(hook.reduce)
-    except TypeError:  # a reduce that cannot be weakly referenced has no form
-        return None
+    return hook.reduce_scatter
 
 
 def mean_all_reduce(

@@ -52,4 +52,6 @@ def reduce_in(hook: CommHook, dtype: np.dtype) -> CommHook:
         mean, _ = compressed_mean(bucket.buffer, bucket.axis_name, encoding=encoding)
         return mean.astype(bucket.dtype), state
 
-    return hook._replace(name=f"{hook.name}(reduce_dtype={dtype.name})", reduce=reduce)
+    # No reduce-scatter form: ZeRO stages 2 and 3 refuse reduce_dtype (StepConfig).
+    name = f"{hook.name}(reduce_dtype={dtype.name})"
+    return hook._replace(name=name, reduce=reduce, reduce_scatter=None)

@@ -1,4 +1,9 @@
-"""Comm hooks by name, for ``comm_hook="bf16_compress"`` and command lines."""
+"""Comm hooks by name, for ``comm_hook="bf16_compress"`` and command lines.
+
+The hooks every platform runs. A platform backend's own hooks (the CPU backend's
+``"shm_allreduce"``) are named by :func:`fdp.backends.resolve_hook`, which
+``fdp.Reduction`` calls and which falls back to this table.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ from fdp.hooks._compressed import compressed_allreduce
 from fdp.hooks._contract import CommHook
 from fdp.hooks._powersgd import batched_powersgd, powersgd
 from fdp.hooks._quantize import quantize_per_channel, quantize_per_tensor
-from fdp.hooks._shm import shm_allreduce
 
 HOOKS: dict[str, Callable[[], CommHook]] = {
     "allreduce": allreduce,
@@ -23,7 +27,6 @@ HOOKS: dict[str, Callable[[], CommHook]] = {
     "compressed_int8": lambda: compressed_allreduce("int8"),
     "compressed_bf16": lambda: compressed_allreduce("bfloat16"),
     "compressed_fp16": lambda: compressed_allreduce("float16"),
-    "shm_allreduce": shm_allreduce,
 }
 
 

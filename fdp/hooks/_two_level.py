@@ -134,7 +134,15 @@ def hierarchical(
         padded = jnp.pad(x, (0, meta.size * k - bucket.size))
         # Divide by k first (torch's order); the outer hook divides by the hosts.
         share = jax.lax.psum_scatter(padded / jnp.asarray(k, x.dtype), inner_axis, tiled=True)
-        hop = GradBucket(meta, [share], is_last=bucket.is_last, axis_name=outer_axis, layout="flat")
+        hop = GradBucket(
+            meta,
+            [share],
+            is_last=bucket.is_last,
+            axis_name=outer_axis,
+            layout="flat",
+            after=bucket.after,
+            largest_nbytes=bucket.largest_nbytes,
+        )
         result, state = outer.reduce(state, hop)
         reduced = as_leaves(outer, hop, result)[0]
         # 'invarying': every device of the host ends with the same bucket.

@@ -22,6 +22,11 @@ import jax.numpy as jnp
 
 from fdp.collectives._axis import AxisName
 
+# A context variable, not an argument, on purpose: the step calls the user's loss, the
+# loss calls the user's model, and the model calls fdp.SyncBatchNorm; no argument of the
+# step's reaches the layer through code fdp does not own (a layer's own mask= argument
+# is the explicit spelling, and wins). JAX's tracing does the rest: the value set here
+# is a tracer of the step's trace, read only while that trace runs the loss.
 _MASK: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
     "fdp_example_mask", default=None
 )

@@ -69,6 +69,8 @@ def settings_fingerprint(
                 "leaves in no bucket": repr(list(buckets.excluded_key_paths)),
             }
         )
+        if plan.folds is not None:  # the CPU backend's fold_dots, on
+            fp["fold_dots products"] = plan.folds.folded
         for b in buckets.buckets:
             fp[f"bucket {b.index}"] = (
                 f"{b.dtype}, {len(b.leaf_indices)} leaf(s), {b.nbytes} bytes, "

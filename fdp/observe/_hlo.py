@@ -57,7 +57,7 @@ _MLIR_BITS = {
     "f8E5M2": 8,
 }
 _HLO_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# fdp's shared-memory sum (fdp.hooks.shm_allreduce, the default on CPU processes of one
+# fdp's shared-memory sum (fdp.backends.cpu, the default on CPU processes of one
 # host): an FFI custom call, listed as the kind "shm-sum".
 _SHM_TARGET = "fdp_shm_sum"
 _MLIR_OPS = {

@@ -13,11 +13,10 @@ from types import TracebackType
 
 import jax
 
+from fdp import backends
 from fdp._compat import config_value
 from fdp._validate import MAX_TIMEOUT_MS, check_number
-from fdp.collectives import _shm
-from fdp.observe._debug import logger
-from fdp.runtime import _claim, _config, _memory
+from fdp.runtime import _claim, _config
 
 # What init learnt about this host, for local_rank() and local_world_size().
 _LOCAL: dict[str, int | None] = {}
@@ -137,16 +136,13 @@ def init(
             "once, at the start of the program."
         )
     _LOCAL.update(local_rank=settings.local_rank, local_world_size=settings.local_world_size)
-    wanted = _memory.wanted(tune_malloc, os.environ)
-    if wanted or (wanted is None and not _memory.gpu_host(os.environ)):
-        _memory.tune_malloc()
-    elif wanted is None:
-        logger.debug("fdp: host malloc left as it is on a GPU host (FDP_MALLOC_TUNING=1 tunes)")
+    # The host's backend decides (malloc tuning: on CPU hosts, where it was measured).
+    backends.prepare_host(tune_malloc, os.environ)
     if not settings.multi_process:
         return
     # Shared-memory files of processes killed in an earlier run's set-up (the set-up
     # removes them too, but a run that never sets it up would leave them).
-    _shm.remove_stale()
+    backends.remove_stale_files()
     if config_value("jax_cpu_collectives_implementation") in (None, "none"):
         # Without it, CPU computations that span processes fail to compile.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -12,14 +12,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from fdp import _compat
+from fdp import _compat, backends
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.hooks import CommHook, ModelAverager
 from fdp.hooks._basic import is_default, is_mean_reduce_scatter
 from fdp.hooks._contract import Layout, reduce_scatter_of
 from fdp.hooks._reduce_dtype import reduce_in
-from fdp.hooks._shm import shm_where_possible
 from fdp.hooks._two_level import hierarchical, split_axis
 from fdp.step._policies import (
     POLICIES,
@@ -70,10 +69,11 @@ class StepConfig:
       donate: donate the state's buffers to the step.
       fold_dots: compute each dense product of an n-D activation (``x @ w``,
         ``nn.Dense`` on ``[batch, seq, features]``) on the activation folded to
-        2-D, as ``torch.nn.Linear`` does (:mod:`fdp.step._fold`; XLA:CPU
-        transposes the gradient in memory otherwise). ``None`` (default): on
-        when the mesh's devices are CPUs. The values are the same products;
-        the weight gradients' summation order may differ (float rounding).
+        2-D, as ``torch.nn.Linear`` does (the CPU backend's
+        :mod:`fdp.backends.cpu._fold`; XLA:CPU transposes the gradient in memory
+        otherwise). ``None`` (default): the platform's backend decides at
+        :meth:`bind` (on for CPUs). The values are the same products; the
+        weight gradients' summation order may differ (float rounding).
 
     Example:
       >>> from fdp import Reduction
@@ -297,11 +297,14 @@ class StepConfig:
         """
         mesh = data_mesh(axis_name=self.axis_name) if self.mesh is None else self.mesh
         layout = self.layout
-        cpu = mesh.devices.flat[0].platform == "cpu"
+        platform = mesh.devices.flat[0].platform
         if layout == "auto":
-            layout = "flat" if _on_gpu(mesh) or (cpu and jax.process_count() > 1) else "leaves"
-        fold = cpu if self.fold_dots is None else self.fold_dots
-        hook = shm_where_possible() if self._sums_in_shared_memory(mesh) else self.comm_hook
+            cpus = platform == "cpu" and jax.process_count() > 1
+            layout = "flat" if _on_gpu(mesh) or cpus else "leaves"
+        # The accelerations of the platform's backend (fdp.backends), chosen here.
+        backend = backends.for_platform(platform)
+        fold = backend.fold_dots if self.fold_dots is None else self.fold_dots
+        hook = self._backend_hook(mesh) or self.comm_hook
         if (
             mesh is self.mesh
             and layout == self.layout
@@ -312,27 +315,25 @@ class StepConfig:
         reduction = dataclasses.replace(self.reduction, layout=layout, comm_hook=hook)
         return dataclasses.replace(self, mesh=mesh, fold_dots=fold, reduction=reduction)
 
-    def _sums_in_shared_memory(self, mesh: Mesh) -> bool:
-        """Whether the default hook becomes :func:`fdp.hooks.shm_where_possible` here.
+    def _backend_hook(self, mesh: Mesh) -> CommHook | None:
+        """The hook the platform's backend binds the default mean to here, or None.
 
-        On CPU processes with one device each and the data axis over all of them,
-        with no ZeRO, hierarchy, reduce dtype or model averager to keep XLA's
-        collectives for. The processes still agree at the first step (one host,
-        a compiler, room in /dev/shm, ``FDP_SHM_ALLREDUCE``) or keep XLA's
-        all-reduce; docs/performance.md.
+        Only the default hook (``comm_hook=None``), with no ZeRO, hierarchy,
+        reduce dtype or model averager to keep XLA's collectives for. On CPU
+        processes with one device each and the data axis over all of them, the
+        CPU backend's ``shm_where_possible`` (docs/performance.md).
         """
-        data = math.prod(mesh.shape[a] for a in axis_names_of(self.axis_name))
-        return (
+        if not (
             is_default(self.comm_hook)
-            and mesh.devices.flat[0].platform == "cpu"
-            and jax.process_count() > 1
-            and jax.local_device_count() == 1
-            and data == mesh.devices.size == jax.process_count()
             and self.zero_stage == 0
             and not self.hierarchical
             and self.reduce_dtype is None
             and self.model_averager is None
-        )
+        ):
+            return None
+        data = math.prod(mesh.shape[a] for a in axis_names_of(self.axis_name))
+        backend = backends.for_platform(mesh.devices.flat[0].platform)
+        return backend.default_mean_hook(mesh, data)
 
     @property
     def bound(self) -> bool:
@@ -348,7 +349,7 @@ class StepConfig:
     def _swap_pending(self) -> bool:
         # Read on every call of a step (through ``bound``): decided once per config.
         assert self.mesh is not None
-        return self._sums_in_shared_memory(self.mesh)
+        return self._backend_hook(self.mesh) is not None
 
     def _need_bound(self, what: str) -> Mesh:
         if self.mesh is None or not self.bound:

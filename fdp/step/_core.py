@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from fdp.backends import fold_leading_dims
 from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
 from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
-from fdp.step._fold import fold_leading_dims
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective

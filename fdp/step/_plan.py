@@ -10,9 +10,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from fdp.backends import FoldCount, count_in_jaxpr
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.step._config import StepConfig
-from fdp.step._fold import FoldCount, count_in_jaxpr
 from fdp.step._ready import ready_order_of
 from fdp.step._state import hook_is_stateful
 from fdp.step._usage import ParamUsage, key_paths_of, trace_loss, usage_of, warn_if_unused

@@ -29,8 +29,9 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
+from fdp.backends import resolve_hook
 from fdp.bucketing import cap_limits
-from fdp.hooks import CommHook, ModelAverager, resolve
+from fdp.hooks import CommHook, ModelAverager
 from fdp.hooks._diloco import DiLoCo
 from fdp.hooks._two_level import hierarchical as two_level
 from fdp.step._zero import check_stage
@@ -124,7 +125,7 @@ class Reduction:
         object.__setattr__(self, "first_bucket_cap_mb", float(self.first_bucket_cap_mb))
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
-        hook = resolve(self.comm_hook)
+        hook = resolve_hook(self.comm_hook)
         averager = self.model_averager
         if averager is not None and not isinstance(averager, ModelAverager):
             raise TypeError(

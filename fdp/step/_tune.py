@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from fdp.backends import release_free_memory
 from fdp.data._abstract import is_abstract
 from fdp.observe._debug import logger
-from fdp.runtime._memory import release_free_memory
 from fdp.step._linen import DataParallelStep
 from fdp.step._nnx import NNXDataParallelStep
 from fdp.step._policies import Reduction, with_candidate, with_cap

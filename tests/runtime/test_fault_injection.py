@@ -173,7 +173,7 @@ def dead_pid():
 
 
 def test_stale_shared_memory_files_are_removed_and_live_ones_kept(tmp_path):
-    from fdp.collectives import _shm
+    from fdp.backends.cpu import _shm
 
     dead = tmp_path / f"{_shm.PREFIX}{dead_pid()}-abc"
     live = tmp_path / f"{_shm.PREFIX}{os.getpid()}-def"

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from _procs import launch
 
-from fdp.runtime import _memory
+from fdp import backends
+from fdp.backends.cpu import _memory
 
 TWO = ["--nproc-per-node", "2"]
 
@@ -68,7 +69,7 @@ def test_one_real_process_applies_the_settings(env, expected):
     environ.pop("JAX_PLATFORMS", None)
     if env is not None:
         environ[_memory.ENV_VAR] = env
-    code = "import fdp; fdp.init(); from fdp.runtime import _memory; print(_memory.applied)"
+    code = "import fdp; fdp.init(); from fdp.backends.cpu import _memory; print(_memory.applied)"
     out = subprocess.run(
         [sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120
     )
@@ -113,9 +114,9 @@ def test_a_gpu_host_tunes_only_when_asked(monkeypatch, argument, env, calls):
 
 
 def test_gpu_hosts_are_told_without_starting_jax(tmp_path):
-    assert not _memory.gpu_host({}, dev=str(tmp_path))
+    assert not backends.gpu_host({}, dev=str(tmp_path))
     (tmp_path / "nvidia0").touch()
-    assert _memory.gpu_host({}, dev=str(tmp_path))
-    assert not _memory.gpu_host({"CUDA_VISIBLE_DEVICES": ""}, dev=str(tmp_path))
-    assert not _memory.gpu_host({"JAX_PLATFORMS": "cpu"}, dev=str(tmp_path))
-    assert _memory.gpu_host({"JAX_PLATFORMS": "cuda,cpu"}, dev=str(tmp_path))
+    assert backends.gpu_host({}, dev=str(tmp_path))
+    assert not backends.gpu_host({"CUDA_VISIBLE_DEVICES": ""}, dev=str(tmp_path))
+    assert not backends.gpu_host({"JAX_PLATFORMS": "cpu"}, dev=str(tmp_path))
+    assert backends.gpu_host({"JAX_PLATFORMS": "cuda,cpu"}, dev=str(tmp_path))

@@ -17,7 +17,7 @@ from _procs import launch, survivors
 from flax.training.train_state import TrainState
 
 import fdp
-from fdp.collectives import _shm
+from fdp.backends.cpu import _shm
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_capacity_setting_is_checked(monkeypatch):
 
 
 def test_the_hook_is_known_by_name():
-    assert fdp.hooks.resolve("shm_allreduce") is fdp.hooks.shm_allreduce()
+    assert fdp.backends.resolve_hook("shm_allreduce") is fdp.backends.cpu.shm_allreduce()
 
 
 @pytest.fixture(scope="module")

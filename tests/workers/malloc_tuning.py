@@ -23,7 +23,7 @@ import optax  # noqa: E402
 from flax.training.train_state import TrainState  # noqa: E402
 
 import fdp  # noqa: E402
-from fdp.runtime import _memory  # noqa: E402
+from fdp.backends.cpu import _memory  # noqa: E402
 
 fdp.init(initialization_timeout=60)
 rank = fdp.process_index()

@@ -44,7 +44,7 @@ fdp.init(initialization_timeout=60)
 rank = fdp.process_index()
 print(f"pid {os.getpid()} port {os.environ['MASTER_PORT']}", flush=True)
 if rank == 1 and args.stall_shm_rank1:
-    from fdp.collectives import _shm
+    from fdp.backends.cpu import _shm
 
     install = _shm._install
 

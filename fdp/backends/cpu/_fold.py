@@ -28,7 +28,8 @@ What is not folded, and stays exactly as written:
 - products inside other sub-programs (``scan``, ``remat``/``checkpoint``,
   ``cond``, ``custom_vjp``), which are bound as traced.
 
-The step applies it on CPU meshes (``StepConfig.fold_dots``), and only to a
+Part of fdp's CPU backend (:mod:`fdp.backends.cpu`). The step applies it on CPU
+meshes (``StepConfig.fold_dots``: ``None`` is the backend's choice), and only to a
 loss with something to fold: its plan counts the products from the loss's jaxpr
 (:func:`count_in_jaxpr`, ``StepPlan.folds``, shown in the INFO log), so a model
 whose dense layers all sit in a ``scan`` is traced as written. Other platforms
@@ -52,9 +53,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
-import jax.extend.core.primitives as jex_primitives
 
 from fdp import _compat
+from fdp._jaxpr import evaluate
 from fdp.observe._debug import logger
 
 SHARDED = "an operand sharded over explicit mesh axes"
@@ -83,9 +84,10 @@ def _dense_layout(eqn: Any, lhs_shape: Sequence[int], rhs_shape: Sequence[int]) 
     dimensions of ``rhs`` (the kernel: ``[in..., out...]`` as in Flax, or
     ``[out..., in...]`` as in torch) in order.
     """
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    dot = _compat.dot_params(eqn)
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dot.contracting, dot.batch
     c = len(lhs_contract)
-    if lhs_batch or rhs_batch or c == 0 or eqn.params.get("out_sharding") is not None:
+    if lhs_batch or rhs_batch or c == 0 or dot.out_sharding is not None:
         return None
     if tuple(lhs_contract) != tuple(range(len(lhs_shape) - c, len(lhs_shape))):
         return None
@@ -117,12 +119,13 @@ def _folded_dot(eqn: Any, lhs: Any, rhs: Any) -> Any:
     """
     rows, k, cols, leading = _dense_layout(eqn, jax.numpy.shape(lhs), jax.numpy.shape(rhs))
     flat_rhs = (k, _prod(cols)) if leading else (_prod(cols), k)
+    dot = _compat.dot_params(eqn)
     out = jax.lax.dot_general(
         jax.lax.reshape(lhs, (_prod(rows), k)),
         jax.lax.reshape(rhs, flat_rhs),
         (((1,), (0 if leading else 1,)), ((), ())),
-        precision=eqn.params.get("precision"),
-        preferred_element_type=eqn.params.get("preferred_element_type"),
+        precision=dot.precision,
+        preferred_element_type=dot.preferred_element_type,
     )
     return jax.lax.reshape(out, (*rows, *cols))
 
@@ -132,7 +135,7 @@ def _holds_dots(eqn: Any) -> bool:
     for sub in jex.jaxprs_in_params(eqn.params):
         inner = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
         for e in inner.eqns:
-            if e.primitive is jex_primitives.dot_general_p or _holds_dots(e):
+            if _compat.is_dot_general(e) or _holds_dots(e):
                 return True
     return False
 
@@ -143,33 +146,22 @@ def _prod(dims: Sequence[int]) -> int:
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], seen: Any) -> list[Any]:
     """Evaluates ``jaxpr`` with its dense products folded; counts into ``seen`` (a Counter)."""
-    env: dict[Any, Any] = {}
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jex.Literal) else env[v]
-
-    for var, val in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args, strict=True):
-        env[var] = val
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def rule(eqn: Any, invals: list[Any]) -> list[Any]:
         inner = _compat.inlinable_call(eqn)
         if inner is not None:
-            outs = _eval(inner.jaxpr, inner.consts, invals, seen)
-        elif eqn.primitive is jex_primitives.dot_general_p and _dense_layout(
+            return _eval(inner.jaxpr, inner.consts, invals, seen)
+        if _compat.is_dot_general(eqn) and _dense_layout(
             eqn, jax.numpy.shape(invals[0]), jax.numpy.shape(invals[1])
         ):
             why = _refusal(*invals)
             seen[why or "folded"] += 1
-            outs = _compat.bind_equation(eqn, invals) if why else [_folded_dot(eqn, *invals)]
-        else:
-            if _holds_dots(eqn):
-                seen[NESTED] += 1
-            outs = _compat.bind_equation(eqn, invals)
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            env[var] = val
-    return [read(v) for v in jaxpr.outvars]
+            return _compat.bind_equation(eqn, invals) if why else [_folded_dot(eqn, *invals)]
+        if _holds_dots(eqn):
+            seen[NESTED] += 1
+        return _compat.bind_equation(eqn, invals)
+
+    return evaluate(jaxpr, consts, args, rule)
 
 
 def _count(seen: Any) -> FoldCount:
@@ -182,7 +174,7 @@ def _count_in(jaxpr: Any, seen: Any) -> None:
         inner = _compat.inlinable_call(eqn)
         if inner is not None:
             _count_in(inner.jaxpr, seen)
-        elif eqn.primitive is jex_primitives.dot_general_p and _dense_layout(
+        elif _compat.is_dot_general(eqn) and _dense_layout(
             eqn, eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
         ):
             seen[_refusal(*eqn.invars[:2]) or "folded"] += 1

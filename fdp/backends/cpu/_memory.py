@@ -12,8 +12,9 @@ PyTorch's CPU caching keeps its buffers, and faults about half as often.
 for large blocks (``M_MMAP_MAX=0``), no trimming below 1 GiB of free heap top
 (``M_TRIM_THRESHOLD``), and one arena (``M_ARENA_MAX=1``) so that the threads of
 XLA's pool and gloo reuse the same freed blocks. The cost is resident memory: the
-process keeps its peak working set mapped. ``fdp.init`` calls it, in one process as
-in several, on hosts whose JAX runs on CPUs (:func:`gpu_host` is False), unless
+process keeps its peak working set mapped. ``fdp.init`` calls it (:func:`prepare`,
+through :func:`fdp.backends.prepare_host`), in one process as in several, on hosts
+whose JAX runs on CPUs (:func:`fdp.backends.gpu_host` is False), unless
 ``FDP_MALLOC_TUNING=0`` (or ``init(tune_malloc=False)``) says otherwise; on a GPU
 host, where XLA keeps its buffers in GPU memory and the tuning was never measured,
 only when asked (``FDP_MALLOC_TUNING=1`` or ``init(tune_malloc=True)``). One CPU
@@ -67,31 +68,6 @@ def wanted(argument: bool | None, environ: Mapping[str, str]) -> bool | None:
         f"{ENV_VAR}={environ[ENV_VAR]!r} is not understood: expected 1 (keep freed host "
         "memory for reuse, the default) or 0 (leave glibc's allocator as it is)."
     )
-
-
-def gpu_host(environ: Mapping[str, str], dev: str = "/dev") -> bool:
-    """Whether JAX will run on GPUs here, told without starting JAX (``fdp.init`` runs first).
-
-    ``JAX_PLATFORMS`` decides when set; else ``CUDA_VISIBLE_DEVICES`` naming a
-    device, or NVIDIA (``/dev/nvidiaN``) or AMD (``/dev/kfd``) device files.
-
-    Example:
-      >>> gpu_host({"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "0"})
-      False
-      >>> gpu_host({"CUDA_VISIBLE_DEVICES": "0,1"})
-      True
-    """
-    platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
-    if platforms:
-        return any(p.strip() in ("cuda", "gpu", "rocm") for p in platforms.split(","))
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return any(d.strip() not in ("", "-1") for d in visible.split(","))
-    try:
-        names = os.listdir(dev)
-    except OSError:
-        return False
-    return "kfd" in names or any(n.startswith("nvidia") and n[6:].isdigit() for n in names)
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -170,3 +146,18 @@ def tune_malloc(*, trim_threshold: int = 1 << 30, mmap_max: int = 0, arena_max: 
             logger.debug("fdp: mallopt(%s, %d) was refused", name, value)
     logger.debug("fdp: host malloc tuned (pid %d): %s", os.getpid(), applied)
     return ok
+
+
+def prepare(argument: bool | None, environ: Mapping[str, str], *, measured: bool) -> None:
+    """``fdp.init``'s malloc tuning: on if asked, else on where it was ``measured``.
+
+    Args:
+      argument: ``fdp.init(tune_malloc=...)``.
+      environ: the process's environment (``FDP_MALLOC_TUNING``).
+      measured: whether the host's backend was measured with it (CPU hosts).
+    """
+    want = wanted(argument, environ)
+    if want or (want is None and measured):
+        tune_malloc()
+    elif want is None:
+        logger.debug("fdp: host malloc left as it is on a GPU host (FDP_MALLOC_TUNING=1 tunes)")

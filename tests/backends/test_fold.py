@@ -11,8 +11,8 @@ import pytest
 from flax.training.train_state import TrainState
 
 import fdp
+from fdp.backends.cpu._fold import NESTED, SHARDED, FoldCount, count_folds, fold_leading_dims
 from fdp.step._config import StepConfig
-from fdp.step._fold import NESTED, SHARDED, FoldCount, count_folds, fold_leading_dims
 
 
 def _dots(jaxpr) -> list[tuple]:

@@ -9,13 +9,16 @@ flat buffer), each scaled on the way (DDP's division by the world size): copy in
 sum this process's chunk, copy the other chunks out. The step stays one compiled
 program; nothing here runs on GPU.
 
-Used by the ``shm_allreduce`` comm hook (docs/performance.md).
+Part of fdp's CPU backend (:mod:`fdp.backends.cpu`): used by the ``shm_allreduce``
+and ``shm_where_possible`` comm hooks (docs/performance.md). Every process must run
+its sums of one program in the same order, and XLA could otherwise run two
+independent ones at once: each sum takes an array computed before it (``after=``:
+the bucket loop passes the previous bucket's reduced gradients) as an unread operand.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import fcntl
 import hashlib
@@ -27,12 +30,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,13 +58,9 @@ _RECORD_BYTES = 64 * 1024  # a peer's set-up record is ~200 bytes of JSON
 CXXFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
+# This process's shared-memory group (set up once, at the first sum), or why not: the
+# mapped regions of its peers, which live as long as the process.
 _state: dict[str, Any] = {}
-# Inside ordered(): the last shared-memory sum of each trace, as [trace state, last]
-# pairs (trace states compare with == but do not hash); see shm_sum.
-_chain: contextvars.ContextVar[list[list[Any]]] = contextvars.ContextVar("fdp_shm_chain")
-# Inside ordered(largest=...): the bytes of the program's largest bucket, which the
-# default hook's set-up reserves before it agrees to sum through shared memory.
-_largest: contextvars.ContextVar[int] = contextvars.ContextVar("fdp_shm_largest", default=0)
 
 
 def _cache_dir() -> Path:
@@ -180,7 +178,7 @@ def _install(timeout: float, *, want: int = 0, optional: bool = False) -> dict[s
     that stopped. Without ``optional`` those are errors, as
     ``comm_hook='shm_allreduce'`` asks for this path.
     """
-    from fdp.runtime import Store
+    from fdp.runtime._store import Store
 
     rank, world = jax.process_index(), jax.process_count()
     capacity = _capacity()
@@ -425,22 +423,23 @@ def group(nbytes: int, timeout: float) -> dict[str, Any]:
     return mine
 
 
-def usable(axis_name: AxisName, timeout: float, nbytes: int = 0) -> bool:
+def usable(axis_name: AxisName, timeout: float, nbytes: int = 0, *, largest: int = 0) -> bool:
     """Whether the default hook sums a bucket of ``nbytes`` through shared memory.
 
     Every process gets the same answer. The first call (at the first step's trace,
     on every process) is a collective that sets up the group, or finds what stops
-    it on some process (then every later call says no). It reserves room for the
-    largest bucket of the program (``ordered(largest=...)``), so a small
-    ``/dev/shm`` (Docker's 64 MiB) keeps XLA's all-reduce rather than failing
-    later. A later program's larger bucket is again agreed on (:func:`_grow`).
+    it on some process (then every later call says no). It reserves room for
+    ``largest``, the bytes of the program's largest bucket
+    (``GradBucket.largest_nbytes``), so a small ``/dev/shm`` (Docker's 64 MiB)
+    keeps XLA's all-reduce rather than failing later. A later program's larger
+    bucket is again agreed on (:func:`_grow`).
     """
     mine = _state.get("group")
     if mine is None:
         if "declined" in _state or jax.process_count() == 1:
             return False
         check_usable(axis_name)
-        mine = _install(timeout, want=max(_largest.get(), nbytes), optional=True)
+        mine = _install(timeout, want=max(largest, nbytes), optional=True)
         if mine is None:
             _state["declined"] = True
             return False
@@ -457,7 +456,7 @@ def _grow(mine: dict[str, Any], nbytes: int, timeout: float) -> bool:
     process is the same bucket. A size some process could not hold is not asked
     for again: that bucket, and larger ones, go through XLA's all-reduce.
     """
-    from fdp.runtime import Store
+    from fdp.runtime._store import Store
 
     if nbytes >= mine.get("refused", float("inf")):
         return False
@@ -486,30 +485,6 @@ def _grow(mine: dict[str, Any], nbytes: int, timeout: float) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def ordered(largest: int = 0) -> Iterator[None]:
-    """Scope in which the shared-memory sums of one program are chained in trace order.
-
-    Every process must run its sums in the same order, and XLA could otherwise run two
-    independent ones at once: each sum takes the previous sum *of the same trace* as an
-    (unread) operand. Nested scopes share the outer one's chains. ``largest``: the
-    bytes of the program's largest bucket (what the first set-up reserves).
-    """
-    if _chain.get(None) is not None:
-        yield
-        return
-    token, size = _chain.set([]), _largest.set(largest)
-    try:
-        yield
-    finally:
-        _largest.reset(size)
-        _chain.reset(token)
-
-
-def _trace() -> Any:
-    return jax.extend.core.get_opaque_trace_state(convention="flax")
-
-
 def check_usable(axis_name: AxisName) -> None:
     """Raises unless the shared-memory sum can serve ``axis_name`` here."""
     platform = jax.devices()[0].platform
@@ -528,7 +503,9 @@ def check_usable(axis_name: AxisName) -> None:
         )
 
 
-def shm_sum(x: jax.Array, axis_name: AxisName, *, timeout: float = 300.0) -> jax.Array:
+def shm_sum(
+    x: jax.Array, axis_name: AxisName, *, after: Any = None, timeout: float = 300.0
+) -> jax.Array:
     """Sums ``x`` over ``axis_name`` through shared memory (inside ``shard_map``).
 
     ``x`` must be float32 or float64. One process: ``x`` itself. Each element's
@@ -537,9 +514,19 @@ def shm_sum(x: jax.Array, axis_name: AxisName, *, timeout: float = 300.0) -> jax
     Args:
       x: this process's array.
       axis_name: the data axis: one device per process, every process on it.
+      after: arrays (a pytree) the sum must wait for: the previous sum's result
+        when one program sums several times (see :func:`shm_sum_bucket`).
       timeout: seconds to wait for a peer before the step fails naming it.
     """
-    return shm_sum_bucket([x], axis_name, timeout=timeout)[0]
+    return shm_sum_bucket([x], axis_name, after=after, timeout=timeout)[0]
+
+
+def _order_token(after: Any, dtype: np.dtype) -> jax.Array:
+    """One element of ``after`` (zeros without one), cast to ``dtype``: an unread operand."""
+    leaf = next((a for a in jax.tree.leaves(after) if getattr(a, "size", 0)), None)
+    if leaf is None:
+        return jnp.zeros(1, dtype)
+    return jnp.ravel(leaf)[:1].astype(dtype)
 
 
 def shm_sum_bucket(
@@ -547,6 +534,7 @@ def shm_sum_bucket(
     axis_name: AxisName,
     *,
     scale: float = 1.0,
+    after: Any = None,
     timeout: float = 300.0,
 ) -> list[jax.Array]:
     """Sums ``x * scale`` for each array of one bucket over ``axis_name``, in one call.
@@ -557,10 +545,17 @@ def shm_sum_bucket(
     arrays' dtype), so ``scale=1 / world`` gives the bits of ``psum(x / world)``
     when the sum's order is the same (two processes).
 
+    Every process must run the sums of one program in the same order, and XLA
+    may run two independent calls at once: a program that sums several times
+    passes each call the result of the one before (``after``), which the call
+    takes as an operand it does not read. The bucket loop passes the previous
+    bucket's reduced gradients (``GradBucket.after``).
+
     Args:
       xs: this process's arrays, all float32 or all float64.
       axis_name: the data axis: one device per process, every process on it.
       scale: the factor of every element before the sum (rounded to the dtype).
+      after: arrays (a pytree) the call must wait for, or None.
       timeout: seconds to wait for a peer before the step fails naming it.
 
     Returns:
@@ -575,36 +570,24 @@ def shm_sum_bucket(
     factor = np.asarray(scale, dtype)
     if jax.process_count() == 1:
         return [x * factor if scale != 1 else x for x in xs]
-    chain = _chain.get(None)
-    if chain is None:
-        raise RuntimeError(
-            "shm_sum runs inside fdp.collectives._shm.ordered() (the comm hook's bucket "
-            "loop opens it), so that every process runs its sums in one order."
-        )
     live = [i for i, x in enumerate(xs) if x.size]
     out = list(xs)  # the empty arrays stay as they are; the others are replaced below
     if not live:
         return out
     group(sum(xs[i].size for i in live) * dtype.itemsize, timeout)
-    trace = _trace()
-    link = next((pair for pair in chain if pair[0] == trace), None)
-    if link is None:
-        link = [trace, jnp.zeros(1, dtype)]
-        chain.append(link)
     call = jax.ffi.ffi_call(
         TARGET,
         [jax.ShapeDtypeStruct(xs[i].shape, dtype) for i in live],
         input_output_aliases={k + 1: k for k in range(len(live))},
         has_side_effect=True,
     )
-    # The first operand is not read: it orders this call after the previous one.
+    # The first operand is not read: it orders this call after ``after``.
     summed = call(
-        link[1].astype(dtype),
+        _order_token(after, dtype),
         *[xs[i] for i in live],
         scale=np.float64(factor),
         timeout_s=np.float64(timeout),
     )
-    link[1] = summed[0].reshape(-1)[:1]
     for i, total in zip(live, summed, strict=True):
         out[i] = total
     return out

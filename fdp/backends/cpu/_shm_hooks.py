@@ -1,4 +1,8 @@
-"""The shared-memory all-reduce: DDP's mean, summed through ``/dev/shm`` on CPU processes."""
+"""The shared-memory all-reduce: DDP's mean, summed through ``/dev/shm`` on CPU processes.
+
+The CPU backend's hooks (:mod:`fdp.backends.cpu`): ``shm_allreduce`` when asked for by
+name, ``shm_where_possible`` as the default hook of a step bound to CPU processes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from fdp.collectives import _shm
+from fdp.backends.cpu import _shm
 from fdp.collectives._axis import axis_size
 from fdp.hooks._basic import allreduce
 from fdp.hooks._contract import CommHook, GradBucket, HookState, stateless_init
@@ -41,6 +45,7 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
         step fails with an error that names the missing rank(s).
 
     Example:
+      >>> from fdp.backends.cpu import shm_allreduce
       >>> hook = shm_allreduce()
       >>> hook.name, hook is shm_allreduce()
       ('shm_allreduce', True)
@@ -55,7 +60,9 @@ def shm_allreduce(timeout: float = 300.0) -> CommHook:
         wide = [g.astype(wide_dtype) for g in grads]
         # 1 / world, rounded in the dtype: what XLA makes of ``g / world``.
         scale = np.asarray(1, wide_dtype) / np.asarray(axis_size(bucket.axis_name), wide_dtype)
-        totals = _shm.shm_sum_bucket(wide, bucket.axis_name, scale=float(scale), timeout=timeout)
+        totals = _shm.shm_sum_bucket(
+            wide, bucket.axis_name, scale=float(scale), after=bucket.after, timeout=timeout
+        )
         return [t.astype(g.dtype) for t, g in zip(totals, grads, strict=True)], state
 
     return CommHook("shm_allreduce", stateless_init, reduce, vma_safe=False)
@@ -76,6 +83,7 @@ def shm_where_possible(timeout: float = 300.0) -> CommHook:
     what every process could reserve. The log says which, and why.
 
     Example:
+      >>> from fdp.backends.cpu import shm_where_possible
       >>> hook = shm_where_possible()
       >>> hook.name, hook.vma_safe
       ('shm_where_possible', False)
@@ -85,7 +93,8 @@ def shm_where_possible(timeout: float = 300.0) -> CommHook:
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
         dtype = jnp.dtype(bucket.dtype)
         nbytes = sum(g.size for g in bucket.gradients) * dtype.itemsize
-        if dtype in _shm.DTYPES and _shm.usable(bucket.axis_name, timeout, nbytes):
+        largest = bucket.largest_nbytes
+        if dtype in _shm.DTYPES and _shm.usable(bucket.axis_name, timeout, nbytes, largest=largest):
             return shm.reduce(state, bucket)
         return xla.reduce(state, bucket)
 
