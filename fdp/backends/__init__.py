@@ -112,17 +112,6 @@ def resolve_hook(hook: CommHook | str | None) -> CommHook:
     return resolve(hook)
 
 
-__all__ = [
-    "GENERIC",
-    "HOOKS",
-    "Backend",
-    "FoldCount",
-    "count_in_jaxpr",
-    "fold_leading_dims",
-    "for_platform",
-    "gpu_host",
-    "prepare_host",
-    "release_free_memory",
-    "remove_stale_files",
-    "resolve_hook",
-]
+# What users call; the rest (the CPU backend's pieces a setting may ask for on any
+# platform, fdp.init's host set-up) is for fdp's own generic code.
+__all__ = ["GENERIC", "HOOKS", "Backend", "for_platform", "gpu_host", "resolve_hook"]

@@ -12,7 +12,7 @@ PyTorch's CPU caching keeps its buffers, and faults about half as often.
 for large blocks (``M_MMAP_MAX=0``), no trimming below 1 GiB of free heap top
 (``M_TRIM_THRESHOLD``), and one arena (``M_ARENA_MAX=1``) so that the threads of
 XLA's pool and gloo reuse the same freed blocks. The cost is resident memory: the
-process keeps its peak working set mapped. ``fdp.init`` calls it (:func:`prepare`,
+process keeps its peak working set mapped. ``fdp.init`` calls it (:func:`prepare_malloc`,
 through :func:`fdp.backends.prepare_host`), in one process as in several, on hosts
 whose JAX runs on CPUs (:func:`fdp.backends.gpu_host` is False), unless
 ``FDP_MALLOC_TUNING=0`` (or ``init(tune_malloc=False)``) says otherwise; on a GPU
@@ -148,7 +148,7 @@ def tune_malloc(*, trim_threshold: int = 1 << 30, mmap_max: int = 0, arena_max: 
     return ok
 
 
-def prepare(argument: bool | None, environ: Mapping[str, str], *, measured: bool) -> None:
+def prepare_malloc(argument: bool | None, environ: Mapping[str, str], *, measured: bool) -> None:
     """``fdp.init``'s malloc tuning: on if asked, else on where it was ``measured``.
 
     Args:
