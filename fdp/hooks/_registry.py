@@ -52,7 +52,9 @@ def resolve(hook: CommHook | str | None) -> CommHook:
             raise ValueError(
                 f"comm_hook={hook!r} is not a known hook; known names: {', '.join(HOOKS)}. "
                 "For settings (or post_local_sgd), pass a hook object, e.g. "
-                "fdp.hooks.powersgd(matrix_approximation_rank=2)."
+                "fdp.hooks.powersgd(matrix_approximation_rank=2). A platform backend's "
+                "hooks (shm_allreduce) are named through fdp.backends.resolve_hook, as "
+                "fdp.Reduction(comm_hook=...) does."
             )
         return HOOKS[hook]()
     raise TypeError(
