@@ -12,6 +12,7 @@ from flax.training.train_state import TrainState
 
 import fdp
 from fdp.backends.cpu._fold import NESTED, SHARDED, FoldCount, count_folds, fold_leading_dims
+from fdp.observe._fingerprint import settings_fingerprint
 from fdp.step._config import StepConfig
 
 
@@ -242,3 +243,6 @@ def test_a_loss_with_nothing_to_fold_is_not_rewritten(monkeypatch):
         fdp.shard_batch(x),
     )
     assert len(rewritten) == 1 and step.logging_data()["fold_dots_products"] == 1
+    # The DETAIL fingerprint carries the count, beside the setting.
+    fingerprint = settings_fingerprint("fdp.train_step", step.config, step.step_plan, {})
+    assert fingerprint["fold_dots"] is True and fingerprint["fold_dots products"] == 1
