@@ -22,6 +22,7 @@ from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
 from fdp.step._core import join_metrics, metrics_specs, reduce_step
+from fdp.step._keys import per_device
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
@@ -247,9 +248,7 @@ class NNXDataParallelStep(StepRunner):
     def _objective(self, model_def: Any, optimizer: nnx.Optimizer, keys: Any) -> Any:
         """Inside shard_map: the user's loss as the core's ``objective``."""
         cfg = self.config
-        # Per-device random streams, so each device draws its own dropout masks.
-        index = jax.lax.axis_index(cfg.axis_name)
-        local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
+        local_keys = per_device(keys, cfg.axis_name)  # each device its own dropout masks
 
         def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
             del key
