@@ -34,9 +34,10 @@ from fdp.step._config import LossFn, StepConfig
 from fdp.step._keys import per_device
 from fdp.step._local_grads import (
     LossWeights,
-    accum_dtype_for,
+    add_into,
     example_scale,
     mean_loss_scale,
+    zero_sums,
 )
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._policies import Accumulation, Loss, Reduction, from_keywords
@@ -96,9 +97,7 @@ class GradAccumulator:
         cfg = self.config
 
         def local(params: Any) -> Accumulated:
-            zeros = jax.tree.map(
-                lambda p: jnp.zeros(p.shape, accum_dtype_for(p.dtype, cfg.accum_dtype)), params
-            )
+            zeros = zero_sums(params, cfg.accum_dtype)
             return add_device_axis(Accumulated(zeros, jnp.zeros(()), jnp.zeros(())))
 
         return cfg.shard_map(local, (P(),), P(cfg.axis_name))(params)
@@ -131,7 +130,7 @@ class GradAccumulator:
             (loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(
                 vary(state.params, cfg.axis_name)
             )
-            summed = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc.grads, grads)
+            summed = add_into(acc.grads, grads)
             new = Accumulated(summed, acc.loss + loss, acc.weight + weight)
             return add_device_axis(new), add_device_axis(loss)
 

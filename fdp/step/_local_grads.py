@@ -147,6 +147,19 @@ def accum_dtype_for(dtype: Any, accum_dtype: Any = None) -> jnp.dtype:
     return dtype
 
 
+def zero_sums(params: Any, accum_dtype: Any = None) -> Any:
+    """Zeros like ``params`` in their accumulation dtypes (:func:`accum_dtype_for`)."""
+    return jax.tree.map(
+        lambda x: jnp.zeros(jnp.shape(x), accum_dtype_for(jnp.result_type(x), accum_dtype)),
+        params,
+    )
+
+
+def add_into(sums: Any, grads: Any) -> Any:
+    """``sums + grads``, leaf by leaf, in the sums' dtypes (no_sync's local accumulation)."""
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), sums, grads)
+
+
 def split_micro_batches(batch: Any, k: int) -> Any:
     """``[K*B, ...]`` leaves as ``[K, B, ...]`` (micro-batch ``i`` is rows ``iB:(i+1)B``)."""
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
@@ -236,7 +249,6 @@ def local_gradients(
     k = accumulate_steps
     leaves, treedef = jax.tree.flatten(params)
     dtypes = [jnp.result_type(x) for x in leaves]
-    acc_dtypes = [accum_dtype_for(d, accum_dtype) for d in dtypes]
     if per_example:
         size = jax.tree.leaves(batch)[0].shape[0]
         local_mask = jnp.ones((size,), jnp.float32) if mask is None else mask
@@ -265,11 +277,11 @@ def local_gradients(
         (_, (loss_part, aux, carry)), grads = jax.value_and_grad(weighted, has_aux=True)(params)
         aux = jax.tree.map(jnp.asarray, aux)  # Python numbers too: the micro-batches stack them
         grad_leaves = jax.tree.leaves(grads)
-        acc = [a + g.astype(a.dtype) for a, g in zip(acc, grad_leaves, strict=True)]
+        acc = add_into(acc, grad_leaves)
         used = used | nonzero_flags([grad_leaves[i] for i in track])
         return (acc, carry, loss_acc + loss_part, used), aux
 
-    acc0 = [jnp.zeros(jnp.shape(x), d) for x, d in zip(leaves, acc_dtypes, strict=True)]
+    acc0 = zero_sums(leaves, accum_dtype)
     # The scan carry changes per device: type it device-varying from the start.
     state0 = vary(
         (acc0, carry, jnp.zeros((), jnp.float32), jnp.zeros((len(track),), jnp.bool_)), axis_name
