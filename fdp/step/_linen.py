@@ -178,10 +178,12 @@ class DataParallelStep(Step):
         return prepare(cfg, self.loss_fn, rows, params, micro_batch, *extra)
 
     def init(self, state: Any) -> Any:
-        """Prepares ``state`` for this step.
+        """Prepares ``state`` for this step, as ``tx.init`` prepares an optimizer's.
 
-        The step does this by itself when needed; call it to checkpoint or
-        inspect the prepared state before training. With a hook whose replicas
+        The documented way to start: ``state = step.init(state)``, then train
+        (or checkpoint and inspect the prepared state first). A step called on
+        an unprepared state still prepares it at its first call, as fdp 0.1
+        did. With a hook whose replicas
         diverge (``noop``, ``post_local_sgd``) every leaf gains a leading device
         axis; with ``buffers='local'`` ``batch_stats`` is kept once per device
         (:class:`fdp.PerDevice`); with a stateful hook ``comm_state`` is filled.

@@ -187,7 +187,9 @@ class NNXDataParallelStep(Step):
     def init(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None) -> None:
         """Places ``model`` and ``optimizer`` on the mesh and gives ``optimizer`` the hook's state.
 
-        The step does this by itself at its first call. With ``batch``, the
+        The documented way to start, as ``tx.init`` is for an optimizer's state;
+        a step called on objects not yet initialised still does this at its
+        first call, as fdp 0.1 did. With ``batch``, the
         parameters the loss does not use are known, and left out of the buckets
         that shape the hook's state (with ``find_unused_parameters``).
         """
