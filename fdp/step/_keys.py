@@ -30,11 +30,11 @@ def per_device(keys: Any, axis_name: AxisName, *, typed_only: bool = False) -> A
     key (typed, or a raw ``uint32[2]`` one).
 
     Example:
-      >>> import jax
+      >>> import jax, numpy as np
       >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
       >>> f = jax.shard_map(lambda k: jax.random.key_data(per_device(k, "data"))[None],
       ...                   mesh=mesh, in_specs=jax.P(), out_specs=jax.P("data"))
-      >>> data = f(jax.random.key(0))
+      >>> data = np.asarray(f(jax.random.key(0)))
       >>> bool((data[0] != data[1]).any())
       True
     """
