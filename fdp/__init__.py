@@ -20,7 +20,7 @@ from fdp.data._placement import data_mesh as data_mesh
 from fdp.data._placement import replicate as replicate
 from fdp.data._placement import shard_batch as shard_batch
 from fdp.data._sampler import DistributedSampler as DistributedSampler
-from fdp.hooks._bucketed import reduce_gradients as reduce_gradients
+from fdp.hooks._reduce_gradients import reduce_gradients as reduce_gradients
 from fdp.nn._nnx_sync_batchnorm import NNXSyncBatchNorm as NNXSyncBatchNorm
 from fdp.nn._nnx_sync_batchnorm import convert_sync_batchnorm as convert_sync_batchnorm
 from fdp.nn._sync_batchnorm import SyncBatchNorm as SyncBatchNorm

@@ -31,8 +31,14 @@ from fdp.hooks import reduce_with_hook
 from fdp.nn._moments import using_example_mask
 from fdp.step._batch import batch_rows, place_batch, split_mask
 from fdp.step._config import LossFn, StepConfig
-from fdp.step._core import device_rng
-from fdp.step._local_grads import accum_dtype_for
+from fdp.step._keys import per_device
+from fdp.step._local_grads import (
+    LossWeights,
+    add_into,
+    example_scale,
+    mean_loss_scale,
+    zero_sums,
+)
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._policies import Accumulation, Loss, Reduction, from_keywords
 from fdp.step._state import add_device_axis, strip_device_axis
@@ -91,9 +97,7 @@ class GradAccumulator:
         cfg = self.config
 
         def local(params: Any) -> Accumulated:
-            zeros = jax.tree.map(
-                lambda p: jnp.zeros(p.shape, accum_dtype_for(p.dtype, cfg.accum_dtype)), params
-            )
+            zeros = zero_sums(params, cfg.accum_dtype)
             return add_device_axis(Accumulated(zeros, jnp.zeros(()), jnp.zeros(())))
 
         return cfg.shard_map(local, (P(),), P(cfg.axis_name))(params)
@@ -111,7 +115,7 @@ class GradAccumulator:
 
         def local(state: Any, acc: Accumulated, batch: Any, rng: Any, mask: Any) -> tuple:
             acc = strip_device_axis(acc)
-            key = device_rng(rng, cfg.axis_name)
+            key = per_device(rng, cfg.axis_name)
             extra = () if key is None else (key,)
 
             weights = split_mask(mask)[0] if cfg.per_example else None
@@ -126,7 +130,7 @@ class GradAccumulator:
             (loss, weight), grads = jax.value_and_grad(objective, has_aux=True)(
                 vary(state.params, cfg.axis_name)
             )
-            summed = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc.grads, grads)
+            summed = add_into(acc.grads, grads)
             new = Accumulated(summed, acc.loss + loss, acc.weight + weight)
             return add_device_axis(new), add_device_axis(loss)
 
@@ -157,17 +161,16 @@ class GradAccumulator:
 
         def local(state: Any, acc: Accumulated) -> tuple:
             acc = strip_device_axis(acc)
-            n = jax.lax.axis_size(cfg.axis_name)
-            total = jnp.maximum(jax.lax.psum(acc.weight, cfg.axis_name), 1.0)
-            # Weighted so that the mean over devices is the mean over all
-            # micro-batches (or all real examples), or with accumulate_op='sum'
-            # their sum, as torch's no_sync adds the micro-batch gradients.
+            # Weighted as the step weighs (fdp.step._local_grads), so that the mean over
+            # devices is the mean over all micro-batches (or all real examples), or with
+            # accumulate_op='sum' their sum, as torch's no_sync adds them. Every real
+            # example weighs the same: each device holds rows of what it accumulated.
+            how = LossWeights(cfg.accumulate_op, "example", divide_by_initial_world_size=False)
             if cfg.per_example:
-                scale = n / total
-            elif cfg.accumulate_op == "sum":
-                scale = 1.0
+                scale, total = example_scale(acc.weight, True, cfg.axis_name, how)
             else:
-                scale = 1.0 / jnp.maximum(acc.weight, 1.0)
+                scale = mean_loss_scale(how, jnp.maximum(acc.weight, 1.0))
+                total = jnp.maximum(jax.lax.psum(acc.weight, cfg.axis_name), 1.0)
             grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), acc.grads, state.params)
             grads, _ = reduce_with_hook(
                 cfg.hook,

@@ -26,6 +26,7 @@ from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
+from fdp.step._keys import per_device
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
@@ -59,13 +60,6 @@ class Reduced(NamedTuple):
     metrics: tuple[dict[str, Any], tuple[Any, ...]]
 
 
-def device_rng(rng: jax.Array | None, axis_name: AxisName) -> jax.Array | None:
-    """A different key per device, as each DDP rank draws its own dropout masks."""
-    if rng is None:
-        return None
-    return jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-
-
 def sync_buffers(buffers: Any, mode: Any, axis_name: AxisName) -> Any:
     """Buffers changed per device by the forward pass, made one again.
 
@@ -91,6 +85,18 @@ def sync_buffers(buffers: Any, mode: Any, axis_name: AxisName) -> Any:
     return jax.tree.map(leaf, buffers)
 
 
+def reduce_leaf(x: Any, axis_name: AxisName) -> jax.Array:
+    """A value that differs per device, made one: floats averaged, integers and bools summed.
+
+    The rule for every metric fdp returns (``aux``, ``fdp.ddp``'s outputs):
+    a count adds up over the devices, a mean loss or accuracy is averaged.
+    """
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return mean_over(x, axis_name)
+    return sum_over(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
+
+
 def reduce_metrics(
     loss: jax.Array, aux: Any, axis_name: AxisName, rows: tuple[bool, ...] = ()
 ) -> tuple[dict[str, Any], tuple[Any, ...]]:
@@ -105,13 +111,6 @@ def reduce_metrics(
       per-example leaf or None; in ``metrics['aux']`` those leaves are empty
       placeholders until :func:`join_metrics` puts them back.
     """
-
-    def reduce_leaf(x: Any) -> jax.Array:
-        x = jnp.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return mean_over(x, axis_name)
-        return sum_over(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
-
     metrics = {"loss": loss}
     gathered: tuple[Any, ...] = ()
     if aux is not None:
@@ -119,7 +118,7 @@ def reduce_metrics(
         rows = rows or (False,) * len(leaves)
         gathered = tuple(x if r else None for x, r in zip(leaves, rows, strict=True))
         reduced = [
-            jnp.zeros((0,), jnp.result_type(x)) if r else reduce_leaf(x)
+            jnp.zeros((0,), jnp.result_type(x)) if r else reduce_leaf(x, axis_name)
             for x, r in zip(leaves, rows, strict=True)
         ]
         metrics["aux"] = jax.tree.unflatten(treedef, reduced)
@@ -193,7 +192,7 @@ def reduce_step(
         per_example=config.per_example,
         weights=LossWeights.of(config),
         mask=mask,
-        rng=device_rng(rng, axis),
+        rng=per_device(rng, axis),
         track=plan.usage.conditional if tracked else (),
         gather_aux=config.gather_aux,
     )

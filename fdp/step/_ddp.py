@@ -41,12 +41,16 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from fdp import _compat
-from fdp.collectives import broadcast, is_varying
+from fdp.collectives import is_varying
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.hooks._bucketed import REDUCTION_TRACE, ReductionTrace
+from fdp.step._core import reduce_leaf, sync_buffers
+from fdp.step._keys import is_key, per_device
 
-SAME, GATHER, MEAN, SUM, FIRST, ADD_CHANGES = "same", "gather", "mean", "sum", "first", "add"
+# REDUCE is fdp.train_step's rule for aux (floats averaged, counts summed) and FIRST its
+# 'broadcast' buffers (device 0's): both from fdp.step._core, not written again here.
+SAME, GATHER, REDUCE, FIRST, ADD_CHANGES = "same", "gather", "reduce", "first", "add"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +68,6 @@ class _Layout:
 
 def _is_node(x: Any) -> bool:
     return nnx.graph.is_graph_node(x)
-
-
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _metric_leaves(nodes: tuple, state: Any) -> tuple[bool, ...]:
@@ -90,11 +89,11 @@ def _flatten_out(out: Any) -> tuple[list[Any], Any]:
 def _out_rule(x: Any, axis: AxisName, local_rows: frozenset[int]) -> str:
     if not is_varying(x, axis):
         return SAME
-    if _is_key(x) or (not jnp.issubdtype(x.dtype, jnp.number) and x.dtype != jnp.bool_):
+    if is_key(x) or (not jnp.issubdtype(x.dtype, jnp.number) and x.dtype != jnp.bool_):
         return FIRST
     if jnp.ndim(x) >= 1 and jnp.shape(x)[0] in local_rows:
         return GATHER
-    return MEAN if jnp.issubdtype(x.dtype, jnp.inexact) else SUM
+    return REDUCE
 
 
 def _state_rule(x: Any, in_metric: bool, axis: AxisName) -> str:
@@ -109,13 +108,11 @@ def _state_rule(x: Any, in_metric: bool, axis: AxisName) -> str:
 def _apply_rule(rule: str, x: Any, old: Any, axis: AxisName) -> Any:
     if rule in (SAME, GATHER):
         return x
-    if rule == MEAN:
-        return jax.lax.pmean(x, axis)
-    if rule == SUM:
-        return jax.lax.psum(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis)
+    if rule == REDUCE:
+        return reduce_leaf(x, axis)
     if rule == ADD_CHANGES:
         return old + jax.lax.psum(x - old, axis)
-    return broadcast(x, 0, axis_name=axis)
+    return sync_buffers(x, "broadcast", axis)
 
 
 class DDPFunction:
@@ -155,16 +152,14 @@ class DDPFunction:
 
     def _body(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> tuple[Any, Any]:
         axis = self._axis_name
-        index = jax.lax.axis_index(axis)
-
-        def fold(x: Any) -> Any:  # each device draws its own random numbers (dropout)
-            return jax.random.fold_in(x, index) if _is_key(x) else x
-
-        args = [a if layout.batch[i] else jax.tree.map(fold, a) for i, a in enumerate(others)]
+        # Each device draws its own random numbers (dropout): key arguments and NNX streams.
+        args = [
+            a if layout.batch[i] else per_device(a, axis, typed_only=True)
+            for i, a in enumerate(others)
+        ]
         nodes: tuple = ()
         if layout.graphdef is not None:
-            local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
-            nodes = nnx.merge(layout.graphdef, local_keys, state, copy=True)
+            nodes = nnx.merge(layout.graphdef, per_device(keys, axis), state, copy=True)
             for pos, node in zip(layout.node_positions, nodes, strict=True):
                 args[pos] = node
         out = self.fn(*args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -13,17 +14,14 @@ from jax.sharding import PartitionSpec as P
 from fdp.bucketing import plan_for
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS
-from fdp.data._rows import leading_size
-from fdp.hooks._diloco import DiLoCo
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
-from fdp.step._batch import batch_rows, local_batch_struct, place_batch
+from fdp.step._batch import batch_rows, local_batch_struct
 from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
-from fdp.step._core import join_metrics, metrics_specs, reduce_step
+from fdp.step._local_grads import Objective
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
-from fdp.step._runner import StepRunner
 from fdp.step._sharded_init import build_sharded, shardings_of
 from fdp.step._state import (
     PerDevice,
@@ -37,37 +35,131 @@ from fdp.step._state import (
     strip_device_axis,
     unstacked,
 )
-from fdp.step._usage import keep_from_flags, keep_untouched
-from fdp.step._zero import constrain, constrain_replicated, specs
+from fdp.step._step import Step
+from fdp.step._update import Parts, View
 
 
-class DataParallelStep(StepRunner):
+@dataclasses.dataclass(frozen=True)
+class Linen:
+    """How the step reads and updates a ``TrainState`` (see :class:`fdp.step._update.FrontEnd`).
+
+    The parameters and optimizer state are the state's; ``batch_stats`` are the
+    buffers (:class:`PerDevice` with ``buffers='local'``), ``comm_state`` the hook's.
+    With a hook whose replicas diverge, every leaf has a leading device axis.
+    """
+
+    loss_fn: Any
+
+    def split(self, static: Any, state: Any) -> Parts:
+        core, side = split_side(state)
+        return Parts(core, side.get("batch_stats"), side.get("comm_state"))
+
+    def join(self, static: Any, parts: Parts) -> Any:
+        return join_side(
+            parts.owner, {"batch_stats": parts.buffers, "comm_state": parts.hook_state}
+        )
+
+    def specs(self, config: StepConfig, parts: Parts) -> Parts:
+        data = P(config.axis_name)
+        state = data if config.per_device_state else P()
+        return Parts(state, data if isinstance(parts.buffers, PerDevice) else state, data)
+
+    def open(self, config: StepConfig, static: Any, parts: Parts, *, local: bool) -> View:
+        core, stats, comm = parts
+        wrapped = isinstance(stats, PerDevice)
+        if not local:
+            return View(core, core.params, stats, comm, extra=wrapped)
+        if config.per_device_state:
+            core, stats = strip_device_axis((core, stats))
+        else:
+            stats = self.local_buffers(stats)
+        hook_state = None if comm is None else strip_device_axis(comm)
+        return View(core, core.params, stats, hook_state, extra=wrapped)
+
+    def objective(self, config: StepConfig, view: View, keys: Any) -> Objective:
+        has_stats = view.buffers is not None
+
+        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
+            args = (p, micro) + ((carry,) if has_stats else ()) + (() if key is None else (key,))
+            loss, aux, new_stats = call_loss(self.loss_fn, config, has_stats, *args)
+            return loss, aux, (new_stats if has_stats else carry)
+
+        return objective
+
+    def local_buffers(self, buffers: Any) -> Any:
+        return strip_device_axis(buffers.value) if isinstance(buffers, PerDevice) else buffers
+
+    def buffer_spec(self, config: StepConfig, buffers: Any) -> Any:
+        return P(config.axis_name) if isinstance(buffers, PerDevice) else P()
+
+    def wrap_buffers(self, like: Any, buffers: Any) -> Any:
+        return PerDevice(add_device_axis(buffers)) if isinstance(like, PerDevice) else buffers
+
+    def set_buffers(self, owner: Any, buffers: Any) -> Any:
+        return owner  # batch_stats travel beside the TrainState
+
+    def params(self, owner: Any) -> Any:
+        return owner.params
+
+    def opt_state(self, owner: Any) -> Any:
+        return owner.opt_state
+
+    def with_arrays(self, owner: Any, params: Any, opt_state: Any) -> Any:
+        return owner.replace(params=params, opt_state=opt_state)
+
+    def apply(self, owner: Any, grads: Any) -> Any:
+        return owner.apply_gradients(grads=grads)
+
+    def count(self, owner: Any) -> Any:
+        return owner.step
+
+    def close(
+        self,
+        config: StepConfig,
+        view: View,
+        owner: Any,
+        buffers: Any,
+        hook_state: Any,
+        *,
+        local: bool,
+    ) -> Parts:
+        if not local:
+            return Parts(owner, buffers, hook_state)
+        if config.per_device_state:
+            owner, buffers = add_device_axis((owner, buffers))
+        elif view.extra:  # PerDevice batch_stats (buffers='local')
+            buffers = PerDevice(add_device_axis(buffers))
+        comm = None if hook_state is None else add_device_axis(hook_state)
+        return Parts(owner, buffers, comm)
+
+
+class DataParallelStep(Step):
     """A compiled data-parallel training step; build it with :func:`train_step`.
 
     Call it as ``state, metrics = step(state, batch)``, optionally with ``rng``
     (dropout) and ``mask`` (per-example weights). ``plan`` holds the bucket plan
     and ``usage`` the parameter usage of the last call; ``lower`` gives the
-    lowered program for inspection.
+    lowered program for inspection. The step itself is :class:`fdp.step._step.Step`,
+    shared with NNX; this class adds the ``TrainState`` calling convention.
     """
 
     def __init__(self, loss_fn: LossFn, cfg: StepConfig, stats: bool | StatsSchedule = False):
         super().__init__(
             "fdp.train_step",
+            Linen(loss_fn),
+            loss_fn,
             cfg,
-            self._global_step,
-            donate_argnums=(0,) if cfg.donate else (),
-            arg_names=("state", "batch", "rng", "mask"),
-            batch_arg=1,
+            arg_names=("static", "state", "batch", "rng", "mask"),
             stats=stats,
         )
-        self.loss_fn = loss_fn
         # Known once the first call prepared (placed) the state; until then, None.
         self._stateful_hook: bool | None = None
 
     def _plan(self, state: Any, batch: Any, rng: Any, mask: Any) -> StepPlan:
         """The plan for these inputs (memoised per shape, computed outside the trace)."""
+        # The jitted step's arguments (its static part is None): the names agree.
         return self._plan_for(
-            (state, batch, rng, mask), lambda: self._compute_plan(state, batch, rng, mask)
+            (None, state, batch, rng, mask), lambda: self._compute_plan(state, batch, rng, mask)
         )
 
     def _compute_plan(self, state: Any, batch: Any, rng: Any, mask: Any) -> StepPlan:
@@ -86,10 +178,12 @@ class DataParallelStep(StepRunner):
         return prepare(cfg, self.loss_fn, rows, params, micro_batch, *extra)
 
     def init(self, state: Any) -> Any:
-        """Prepares ``state`` for this step.
+        """Prepares ``state`` for this step, as ``tx.init`` prepares an optimizer's.
 
-        The step does this by itself when needed; call it to checkpoint or
-        inspect the prepared state before training. With a hook whose replicas
+        The documented way to start: ``state = step.init(state)``, then train
+        (or checkpoint and inspect the prepared state first). A step called on
+        an unprepared state still prepares it at its first call, as fdp 0.1
+        did. With a hook whose replicas
         diverge (``noop``, ``post_local_sgd``) every leaf gains a leading device
         axis; with ``buffers='local'`` ``batch_stats`` is kept once per device
         (:class:`fdp.PerDevice`); with a stateful hook ``comm_state`` is filled.
@@ -161,147 +255,6 @@ class DataParallelStep(StepRunner):
         state = build_sharded(make_state, args, shardings_of(layout))
         return self.init(state)
 
-    # -- the step -------------------------------------------------------------------------
-
-    def _global_step(
-        self, plan: StepPlan, state: Any, batch: Any, rng: Any, mask: Any
-    ) -> tuple[Any, dict[str, Any]]:
-        cfg = self.config
-        size = leading_size(batch) or 0
-        batch, mask = place_batch(batch, mask, plan.rows, cfg)
-        core, side = split_side(state)
-        if cfg.zero_stage:
-            new, metrics = self._sharded_step(plan, core, side, batch, rng, mask)
-            return new, join_metrics(metrics, size)
-        stats = side.get("batch_stats")
-        data = P(cfg.axis_name)
-        state_spec = data if cfg.per_device_state else P()
-        stats_spec = data if isinstance(stats, PerDevice) else state_spec
-        local = cfg.shard_map(
-            lambda *args: self._local_step(plan, *args),
-            in_specs=(state_spec, stats_spec, data, data, P(), data),
-            out_specs=(state_spec, stats_spec, data, metrics_specs(cfg.axis_name)),
-        )
-        core, stats, comm, metrics = local(core, stats, side.get("comm_state"), batch, rng, mask)
-        new = join_side(core, {"batch_stats": stats, "comm_state": comm})
-        return new, join_metrics(metrics, size)
-
-    def _local_step(
-        self, plan: StepPlan, state: Any, stats: Any, comm: Any, batch: Any, rng: Any, mask: Any
-    ) -> tuple[Any, Any, Any, Any]:
-        cfg = self.config
-        wrapped = isinstance(stats, PerDevice)
-        if cfg.per_device_state:
-            state, stats = strip_device_axis((state, stats))
-        elif wrapped:
-            stats = strip_device_axis(stats.value)
-        hook_state = () if comm is None else strip_device_axis(comm)
-        out = reduce_step(
-            self._objective(stats is not None),
-            state.params,
-            stats,
-            hook_state,
-            batch,
-            mask,
-            rng,
-            config=cfg,
-            plan=plan,
-        )
-        new_state = state.apply_gradients(grads=out.grads)
-        if out.keep is not None:
-            new_state = keep_untouched(new_state, state, jax.tree.structure(state.params), out.keep)
-        hook_out = out.hook_state
-        averager = cfg.model_averager
-        if isinstance(averager, DiLoCo):
-            averaged, hook_out = averager.sync(
-                new_state.params, state.step, cfg.axis_name, hook_out, plan.buckets
-            )
-            new_state = new_state.replace(params=averaged)
-        elif averager is not None:
-            averaged = averager.average(new_state.params, state.step, cfg.axis_name)
-            new_state = new_state.replace(params=averaged)
-        new_stats = out.buffers
-        if cfg.per_device_state:
-            new_state, new_stats = add_device_axis((new_state, new_stats))
-        elif wrapped:
-            new_stats = PerDevice(add_device_axis(new_stats))
-        new_comm = None if comm is None else add_device_axis(hook_out)
-        return new_state, new_stats, new_comm, out.metrics
-
-    def _objective(self, has_stats: bool) -> Any:
-        """The user's loss as the core's ``objective(params, micro, carry, key)``."""
-        cfg = self.config
-
-        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
-            args = (p, micro) + ((carry,) if has_stats else ()) + (() if key is None else (key,))
-            loss, aux, new_stats = call_loss(self.loss_fn, cfg, has_stats, *args)
-            return loss, aux, (new_stats if has_stats else carry)
-
-        return objective
-
-    # -- the sharded step (ZeRO stages 1-3) -----------------------------------------------
-
-    def _sharded_step(
-        self, plan: StepPlan, core: Any, side: dict[str, Any], batch: Any, rng: Any, mask: Any
-    ) -> tuple[Any, Any]:
-        """Reduced gradients from a shard_map, then the update on sharded global arrays."""
-        cfg = self.config
-        mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
-        stats = side.get("batch_stats")
-        data = P(axis)
-        stats_spec = data if isinstance(stats, PerDevice) else P()
-        param_specs = specs(core.params, n, axis)
-        params_in = param_specs if cfg.zero_stage >= 3 else P()
-        grads_out = param_specs if cfg.scatters_gradients else P()
-        local = cfg.shard_map(
-            lambda *args: self._local_grads(plan, *args),
-            in_specs=(params_in, stats_spec, data, data, P(), data),
-            out_specs=(grads_out, stats_spec, data, P(), metrics_specs(axis)),
-        )
-        grads, stats, comm, flags, metrics = local(
-            core.params, stats, side.get("comm_state"), batch, rng, mask
-        )
-        # The update, written on whole arrays: XLA runs it on each device's share.
-        old = core.replace(
-            params=constrain(core.params, mesh, axis),
-            opt_state=constrain(core.opt_state, mesh, axis),
-        )
-        new = old.apply_gradients(grads=constrain(grads, mesh, axis))
-        if flags is not None:
-            keep = keep_from_flags(plan.usage, flags)
-            new = keep_untouched(new, old, jax.tree.structure(old.params), keep)
-        new = new.replace(
-            params=constrain(new.params, mesh, axis)
-            if cfg.zero_stage >= 3
-            else constrain_replicated(new.params, mesh),
-            opt_state=constrain(new.opt_state, mesh, axis),
-        )
-        return join_side(new, {"batch_stats": stats, "comm_state": comm}), metrics
-
-    def _local_grads(
-        self, plan: StepPlan, params: Any, stats: Any, comm: Any, batch: Any, rng: Any, mask: Any
-    ) -> tuple[Any, Any, Any, Any, Any]:
-        """One device's reduced gradients (its shares from stage 2), buffers, hook state."""
-        wrapped = isinstance(stats, PerDevice)
-        if wrapped:
-            stats = strip_device_axis(stats.value)
-        hook_state = () if comm is None else strip_device_axis(comm)
-        out = reduce_step(
-            self._objective(stats is not None),
-            params,
-            stats,
-            hook_state,
-            batch,
-            mask,
-            rng,
-            config=self.config,
-            plan=plan,
-        )
-        new_stats = PerDevice(add_device_axis(out.buffers)) if wrapped else out.buffers
-        new_comm = None if comm is None else add_device_axis(out.hook_state)
-        flags = None if out.keep is None else jnp.stack([jnp.asarray(k) for k in out.keep])
-        return out.grads, new_stats, new_comm, flags, out.metrics
-
     def __call__(
         self, state: Any, batch: Any, rng: Any = None, mask: Any = None
     ) -> tuple[Any, dict[str, Any]]:
@@ -314,7 +267,7 @@ class DataParallelStep(StepRunner):
         if stateful is None or not linen_state_ready(self.config, state, stateful):
             state = prepare_linen_state(self.config, state, plan.buckets)
             self._stateful_hook = hook_is_stateful(self.config, plan.buckets)
-        return self._run(plan, state, batch, rng, mask)
+        return self._run(plan, None, state, batch, rng, mask)
 
     def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
         """The lowered step (``.as_text()``, ``.compile()``), without running it."""
@@ -322,7 +275,7 @@ class DataParallelStep(StepRunner):
         plan = self._plan(state, batch, rng, mask)
         self._agree("call", plan, state=state, batch=batch, rng=rng, mask=mask)
         state = prepare_linen_state(self.config, state, plan.buckets)
-        return self._lower(plan, state, batch, rng, mask)
+        return self._lower(plan, None, state, batch, rng, mask)
 
 
 def _check_state(state: Any) -> None:

@@ -67,22 +67,40 @@ class LossWeights:
         return cls(config.accumulate_op, config.weighting, config.divide_by_initial_world_size)
 
 
-def _example_scale(
-    weights: jax.Array, axis_name: AxisName, how: LossWeights
+def mean_loss_scale(how: LossWeights, k: Any) -> Any:
+    """The weight of one of ``k`` micro-batch mean losses: ``1/k``, or 1 for ``'sum'``.
+
+    The one rule for mean losses, in the step (``k`` static) and in
+    :func:`fdp.grad_accumulator` (``k`` the micro-batches a device accumulated).
+    """
+    return 1.0 if how.accumulate_op == "sum" else 1.0 / k
+
+
+def example_scale(
+    count: jax.Array, holds: Any, axis_name: AxisName, how: LossWeights, k: int = 1
 ) -> tuple[jax.Array, jax.Array]:
-    """``(s, R)``: the scale of this device's weighted loss sum, and the real examples."""
-    w, holds = split_mask(weights)
-    count = jnp.sum(w)
+    """``(N * s * K', R)``: the factor on this device's weighted loss sum, and the real examples.
+
+    The one rule for per-example losses (see the module's docstring), in the
+    step and in :func:`fdp.grad_accumulator`: ``count`` is this device's real
+    examples, ``holds`` whether it holds rows of the caller's batch, ``k``
+    the micro-batches (``K' = K`` with ``accumulate_op='sum'``, else 1). A
+    collective: one small all-reduce.
+    """
     # One small all-reduce: real examples, devices with some, devices holding rows.
+    holds = jnp.asarray(holds)
     local = jnp.stack([count, (count > 0).astype(count.dtype), holds.astype(count.dtype)])
     total, active, holding = sum_over(local, axis_name)
     total, holding = jnp.maximum(total, 1.0), jnp.maximum(holding, 1.0)
     if how.weighting == "device":
         divisor = holding if how.divide_by_initial_world_size else jnp.maximum(active, 1.0)
-        return 1.0 / (jnp.maximum(count, 1.0) * divisor), total
-    if how.divide_by_initial_world_size:
-        return active / (holding * total), total
-    return 1.0 / total, total
+        s = 1.0 / (jnp.maximum(count, 1.0) * divisor)
+    elif how.divide_by_initial_world_size:
+        s = active / (holding * total)
+    else:
+        s = 1.0 / total
+    repeats = k if how.accumulate_op == "sum" else 1  # torch's no_sync adds K gradients
+    return s * (jax.lax.axis_size(axis_name) * repeats), total
 
 
 @dataclasses.dataclass
@@ -127,6 +145,19 @@ def accum_dtype_for(dtype: Any, accum_dtype: Any = None) -> jnp.dtype:
     if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
         return jnp.dtype(jnp.float32)
     return dtype
+
+
+def zero_sums(params: Any, accum_dtype: Any = None) -> Any:
+    """Zeros like ``params`` in their accumulation dtypes (:func:`accum_dtype_for`)."""
+    return jax.tree.map(
+        lambda x: jnp.zeros(jnp.shape(x), accum_dtype_for(jnp.result_type(x), accum_dtype)),
+        params,
+    )
+
+
+def add_into(sums: Any, grads: Any) -> Any:
+    """``sums + grads``, leaf by leaf, in the sums' dtypes (no_sync's local accumulation)."""
+    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), sums, grads)
 
 
 def split_micro_batches(batch: Any, k: int) -> Any:
@@ -216,16 +247,13 @@ def local_gradients(
       A :class:`LocalGrads`.
     """
     k = accumulate_steps
-    n = jax.lax.axis_size(axis_name)
     leaves, treedef = jax.tree.flatten(params)
     dtypes = [jnp.result_type(x) for x in leaves]
-    acc_dtypes = [accum_dtype_for(d, accum_dtype) for d in dtypes]
-    repeats = k if weights.accumulate_op == "sum" else 1  # torch's no_sync adds K gradients
     if per_example:
         size = jax.tree.leaves(batch)[0].shape[0]
         local_mask = jnp.ones((size,), jnp.float32) if mask is None else mask
-        scale, total = _example_scale(local_mask, axis_name, weights)
-        scale = scale * (n * repeats)
+        w, holds = split_mask(local_mask)
+        scale, total = example_scale(jnp.sum(w), holds, axis_name, weights, k)
         total_or_none: jax.Array | None = total
         micro_masks = split_mask(local_mask)[0].reshape(k, -1)
     else:
@@ -244,16 +272,16 @@ def local_gradients(
             if scale is not None:  # per-example: weighed by the real examples
                 loss_sum = jnp.sum(micro_mask * loss)
                 return loss_sum * scale, (loss_sum, aux, new_carry)
-            return loss * (repeats / k), (loss / k, aux, new_carry)
+            return loss * mean_loss_scale(weights, k), (loss / k, aux, new_carry)
 
         (_, (loss_part, aux, carry)), grads = jax.value_and_grad(weighted, has_aux=True)(params)
         aux = jax.tree.map(jnp.asarray, aux)  # Python numbers too: the micro-batches stack them
         grad_leaves = jax.tree.leaves(grads)
-        acc = [a + g.astype(a.dtype) for a, g in zip(acc, grad_leaves, strict=True)]
+        acc = add_into(acc, grad_leaves)
         used = used | nonzero_flags([grad_leaves[i] for i in track])
         return (acc, carry, loss_acc + loss_part, used), aux
 
-    acc0 = [jnp.zeros(jnp.shape(x), d) for x, d in zip(leaves, acc_dtypes, strict=True)]
+    acc0 = zero_sums(leaves, accum_dtype)
     # The scan carry changes per device: type it device-varying from the start.
     state0 = vary(
         (acc0, carry, jnp.zeros((), jnp.float32), jnp.zeros((len(track),), jnp.bool_)), axis_name

@@ -7,8 +7,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import flax.errors
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -16,16 +14,14 @@ from jax.sharding import PartitionSpec as P
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, replicate
-from fdp.data._rows import leading_size
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
-from fdp.step._batch import batch_rows, local_batch_struct, place_batch
+from fdp.step._batch import batch_rows, local_batch_struct
 from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
-from fdp.step._core import join_metrics, metrics_specs, reduce_step
+from fdp.step._local_grads import Objective
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
-from fdp.step._runner import StepRunner
 from fdp.step._sharded_init import build_sharded, shardings_of
 from fdp.step._state import (
     add_device_axis,
@@ -33,8 +29,9 @@ from fdp.step._state import (
     init_hook_state,
     strip_device_axis,
 )
-from fdp.step._usage import keep_from_flags, keep_untouched
-from fdp.step._zero import constrain, constrain_replicated, place, specs
+from fdp.step._step import Step
+from fdp.step._update import Parts, View
+from fdp.step._zero import place
 
 
 class CommState(nnx.Variable):
@@ -60,27 +57,117 @@ def _split_model(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any,
     return graphdef, params, keys, rest
 
 
-class NNXDataParallelStep(StepRunner):
+@dataclasses.dataclass(frozen=True)
+class NNX:
+    """How the step reads and updates NNX objects (see :class:`fdp.step._update.FrontEnd`).
+
+    The jitted step gets the graph as ``static`` and ``(comm, state)``: the hook's
+    state on the optimizer (:class:`CommState`, stacked per device) and the rest
+    of the model's and optimizer's state; the step merges them into objects,
+    takes the gradient of the optimizer's ``wrt`` variables, keeps the other
+    variables the forward pass changes as buffers, and folds the model's
+    ``nnx.Rngs`` keys per device.
+    """
+
+    loss_fn: Any
+
+    def split(self, static: Any, state: Any) -> Parts:
+        comm, rest = state
+        return Parts(rest, None, comm)
+
+    def join(self, static: Any, parts: Parts) -> Any:
+        return parts.hook_state, parts.owner
+
+    def specs(self, config: StepConfig, parts: Parts) -> Parts:
+        return Parts(P(), P(), P(config.axis_name))
+
+    def open(self, config: StepConfig, static: Any, parts: Parts, *, local: bool) -> View:
+        comm = strip_device_axis(parts.hook_state) if local else parts.hook_state
+        model, optimizer = nnx.merge(static, comm, parts.owner)
+        model_def, params, keys, rest = _split_model(model, optimizer)
+        has_comm = hasattr(optimizer, "fdp_comm_state")
+        hook_state = optimizer.fdp_comm_state.get_value() if has_comm else None
+        return View((model, optimizer), params, rest, hook_state, keys, model_def)
+
+    def objective(self, config: StepConfig, view: View, keys: Any) -> Objective:
+        model_def, optimizer = view.extra, view.owner[1]
+
+        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
+            del key
+            m = nnx.merge(model_def, p, keys, carry, copy=True)
+            loss, aux, _ = call_loss(self.loss_fn, config, False, m, micro)
+            return loss, aux, _split_model(m, optimizer)[3]
+
+        return objective
+
+    def local_buffers(self, buffers: Any) -> Any:
+        return buffers
+
+    def buffer_spec(self, config: StepConfig, buffers: Any) -> Any:
+        return P()
+
+    def wrap_buffers(self, like: Any, buffers: Any) -> Any:
+        return buffers
+
+    def set_buffers(self, owner: Any, buffers: Any) -> Any:
+        nnx.update(owner[0], buffers)
+        return owner
+
+    def params(self, owner: Any) -> Any:
+        model, optimizer = owner
+        return nnx.as_pure(nnx.state(model, optimizer.wrt))
+
+    def opt_state(self, owner: Any) -> Any:
+        return nnx.as_pure(owner[1].opt_state)
+
+    def with_arrays(self, owner: Any, params: Any, opt_state: Any) -> Any:
+        model, optimizer = owner
+        nnx.update(model, params)
+        nnx.update(optimizer.opt_state, nnx.state(opt_state))
+        return owner
+
+    def apply(self, owner: Any, grads: Any) -> Any:
+        owner[1].update(owner[0], grads)
+        return owner
+
+    def count(self, owner: Any) -> Any:
+        return owner[1].step[...]
+
+    def close(
+        self,
+        config: StepConfig,
+        view: View,
+        owner: Any,
+        buffers: Any,
+        hook_state: Any,
+        *,
+        local: bool,
+    ) -> Parts:
+        if hook_state is not None:
+            owner[1].fdp_comm_state.set_value(hook_state)
+        comm, state = nnx.split(owner, CommState, ...)[1:]
+        return Parts(state, None, add_device_axis(comm) if local else comm)
+
+
+class NNXDataParallelStep(Step):
     """A compiled data-parallel step for Flax NNX; build it with :func:`nnx_train_step`.
 
     Call it as ``metrics = step(model, optimizer, batch[, mask])``: like
     ``nnx.jit`` steps, it updates ``model`` and ``optimizer`` in place. A
     stateful comm hook keeps its state on the optimizer as
-    ``optimizer.fdp_comm_state``.
+    ``optimizer.fdp_comm_state``. The step itself is :class:`fdp.step._step.Step`,
+    shared with Linen; this class adds the NNX calling convention.
     """
 
     def __init__(self, loss_fn: LossFn, cfg: StepConfig, stats: bool | StatsSchedule = False):
         super().__init__(
             "fdp.nnx_train_step",
+            NNX(loss_fn),
+            loss_fn,
             cfg,
-            self._global_step,
-            donate_argnums=(1, 2) if cfg.donate else (),
-            static_argnums=(0,),
-            arg_names=("graphdef", "comm_state", "state", "batch", "mask"),
-            batch_arg=3,
+            arg_names=("graphdef", "state", "batch", "rng", "mask"),
             stats=stats,
         )
-        self.loss_fn = loss_fn
         self._placed = False
         self._stateful_hook: bool | None = None  # known after the first _init
 
@@ -100,7 +187,9 @@ class NNXDataParallelStep(StepRunner):
     def init(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None) -> None:
         """Places ``model`` and ``optimizer`` on the mesh and gives ``optimizer`` the hook's state.
 
-        The step does this by itself at its first call. With ``batch``, the
+        The documented way to start, as ``tx.init`` is for an optimizer's state;
+        a step called on objects not yet initialised still does this at its
+        first call, as fdp 0.1 did. With ``batch``, the
         parameters the loss does not use are known, and left out of the buckets
         that shape the hook's state (with ``find_unused_parameters``).
         """
@@ -201,136 +290,13 @@ class NNXDataParallelStep(StepRunner):
         if cfg.zero_stage >= 3:
             nnx.update(model, place(nnx.state(model, optimizer.wrt), mesh, axis))
 
-    def _global_step(
-        self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
-    ) -> tuple[Any, Any, Any]:
-        cfg = self.config
-        size = leading_size(batch) or 0
-        batch, mask = place_batch(batch, mask, plan.rows, cfg)
-        if cfg.zero_stage:
-            comm, state, metrics = self._sharded_step(plan, graphdef, comm, state, batch, mask)
-            return comm, state, join_metrics(metrics, size)
-        data = P(cfg.axis_name)
-        local = cfg.shard_map(
-            lambda c, s, b, m: self._local_step(plan, graphdef, c, s, b, m),
-            in_specs=(data, P(), data, data),
-            out_specs=(data, P(), metrics_specs(cfg.axis_name)),
-        )
-        comm, state, metrics = local(comm, state, batch, mask)
-        return comm, state, join_metrics(metrics, size)
-
-    def _local_step(
-        self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
-    ) -> tuple[Any, Any, Any]:
-        cfg = self.config
-        model, optimizer = nnx.merge(graphdef, strip_device_axis(comm), state)
-        model_def, params, keys, rest = _split_model(model, optimizer)
-        has_comm = hasattr(optimizer, "fdp_comm_state")
-        hook_state = optimizer.fdp_comm_state.get_value() if has_comm else ()
-        objective = self._objective(model_def, optimizer, keys)
-        out = reduce_step(
-            objective, params, rest, hook_state, batch, mask, None, config=cfg, plan=plan
-        )
-        nnx.update(model, out.buffers)
-        old = (nnx.as_pure(params), nnx.as_pure(optimizer.opt_state))
-        optimizer.update(model, out.grads)
-        if out.keep is not None:
-            new = (nnx.as_pure(nnx.state(model, optimizer.wrt)), nnx.as_pure(optimizer.opt_state))
-            kept_params, kept_opt = keep_untouched(new, old, jax.tree.structure(old[0]), out.keep)
-            nnx.update(model, kept_params)
-            nnx.update(optimizer.opt_state, nnx.state(kept_opt))
-        if has_comm:
-            optimizer.fdp_comm_state.set_value(out.hook_state)
-        comm_out, state_out = nnx.split((model, optimizer), CommState, ...)[1:]
-        return add_device_axis(comm_out), state_out, out.metrics
-
-    def _objective(self, model_def: Any, optimizer: nnx.Optimizer, keys: Any) -> Any:
-        """Inside shard_map: the user's loss as the core's ``objective``."""
-        cfg = self.config
-        # Per-device random streams, so each device draws its own dropout masks.
-        index = jax.lax.axis_index(cfg.axis_name)
-        local_keys = jax.tree.map(lambda k: jax.random.fold_in(k, index), keys)
-
-        def objective(p: Any, micro: Any, carry: Any, key: Any) -> tuple:
-            del key
-            m = nnx.merge(model_def, p, local_keys, carry, copy=True)
-            loss, aux, _ = call_loss(self.loss_fn, cfg, False, m, micro)
-            return loss, aux, _split_model(m, optimizer)[3]
-
-        return objective
-
-    # -- the sharded step (ZeRO stages 1-3) -----------------------------------------------
-
-    def _sharded_step(
-        self, plan: StepPlan, graphdef: Any, comm: Any, state: Any, batch: Any, mask: Any
-    ) -> tuple[Any, Any, Any]:
-        """Reduced gradients from a shard_map, then ``optimizer.update`` on sharded arrays."""
-        cfg = self.config
-        mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
-        model, optimizer = nnx.merge(graphdef, comm, state)
-        model_def, params, keys, rest = _split_model(model, optimizer)
-        has_comm = hasattr(optimizer, "fdp_comm_state")
-        hook_state = optimizer.fdp_comm_state.get_value() if has_comm else None
-        data = P(axis)
-        param_specs = specs(params, n, axis)
-
-        def local(params: Any, keys: Any, rest: Any, hook_state: Any, batch: Any, mask: Any):
-            out = reduce_step(
-                self._objective(model_def, optimizer, keys),
-                params,
-                rest,
-                () if hook_state is None else strip_device_axis(hook_state),
-                batch,
-                mask,
-                None,
-                config=cfg,
-                plan=plan,
-            )
-            flags = None if out.keep is None else jnp.stack([jnp.asarray(k) for k in out.keep])
-            hook_out = None if hook_state is None else add_device_axis(out.hook_state)
-            return out.grads, out.buffers, hook_out, flags, out.metrics
-
-        grads, buffers, hook_state, flags, metrics = cfg.shard_map(
-            local,
-            in_specs=(param_specs if cfg.zero_stage >= 3 else P(), P(), P(), data, data, data),
-            out_specs=(
-                param_specs if cfg.scatters_gradients else P(),
-                P(),
-                data,
-                P(),
-                metrics_specs(axis),
-            ),
-        )(params, keys, rest, hook_state, batch, mask)
-        nnx.update(model, buffers)
-        # The update, written on whole arrays: XLA runs it on each device's share.
-        nnx.update(model, constrain(params, mesh, axis))
-        nnx.update(optimizer.opt_state, constrain(nnx.state(optimizer.opt_state), mesh, axis))
-        old = (nnx.as_pure(params), nnx.as_pure(nnx.state(optimizer.opt_state)))
-        optimizer.update(model, constrain(grads, mesh, axis))
-        new_params = nnx.state(model, optimizer.wrt)
-        new_opt = nnx.state(optimizer.opt_state)
-        if flags is not None:
-            keep = keep_from_flags(plan.usage, flags)
-            new = (nnx.as_pure(new_params), nnx.as_pure(new_opt))
-            kept = keep_untouched(new, old, jax.tree.structure(old[0]), keep)
-            new_params, new_opt = nnx.state(kept[0]), nnx.state(kept[1])
-        if cfg.zero_stage >= 3:
-            nnx.update(model, constrain(new_params, mesh, axis))
-        else:
-            nnx.update(model, constrain_replicated(new_params, mesh))
-        nnx.update(optimizer.opt_state, constrain(new_opt, mesh, axis))
-        if has_comm:
-            optimizer.fdp_comm_state.set_value(hook_state)
-        comm_out, state_out = nnx.split((model, optimizer), CommState, ...)[1:]
-        return comm_out, state_out, metrics
-
     def __call__(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
     ) -> dict[str, Any]:
         """Runs one step in place and returns the metrics."""
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         plan, graphdef, comm, state = self._prepare_call(model, optimizer, batch, mask)
-        comm, state, metrics = self._run(plan, graphdef, comm, state, batch, mask)
+        (comm, state), metrics = self._run(plan, graphdef, (comm, state), batch, None, mask)
         nnx.update((model, optimizer), comm, state)
         return metrics
 
@@ -339,7 +305,7 @@ class NNXDataParallelStep(StepRunner):
     ) -> Any:
         """The lowered step, without running it."""
         plan, graphdef, comm, state = self._prepare_call(model, optimizer, batch, mask)
-        return self._lower(plan, graphdef, comm, state, batch, mask)
+        return self._lower(plan, graphdef, (comm, state), batch, None, mask)
 
     def _prepare_call(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any
@@ -357,7 +323,7 @@ class NNXDataParallelStep(StepRunner):
                 self._init(model, optimizer, first.buckets)
         graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
         plan = self._plan_for(
-            (graphdef, state, batch, mask), lambda: self._plan(model, optimizer, batch, mask)
+            (graphdef, state, batch, None, mask), lambda: self._plan(model, optimizer, batch, mask)
         )
         return plan, graphdef, comm, state
 

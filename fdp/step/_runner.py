@@ -22,9 +22,9 @@ from fdp.step._zero import memory_table, shape_structs
 
 
 class StepRunner:
-    """The base of :class:`fdp.DataParallelStep` and :class:`fdp.NNXDataParallelStep`.
+    """The base of :class:`fdp.step._step.Step`: jit, observability, the plan of the last call.
 
-    A front end gives it the function to jit, ``global_step(plan, *args)``, and
+    The step gives it the function to jit, ``global_step(plan, *args)``, and
     calls :meth:`_run` with a :class:`StepPlan` and the arguments. The runner
     binds the config (at the first call: building a step starts no backend),
     jits with the plan static, routes calls through the observer while it

@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -82,3 +83,34 @@ def test_double_reduction_is_caught(mesh):
 def test_reduction_outside_a_mapped_axis_is_a_clear_error():
     with pytest.raises(NameError, match="axis_name='data' is not a bound mesh axis"):
         fdp.reduce_gradients({"w": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("hook", ["bf16_compress", "quantize_per_tensor"])
+def test_comm_hook_equals_the_same_hook_in_train_step(hook):
+    params = {"w": PARAMS["w"], "b": PARAMS["b"]}
+    state = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.5))
+    reduction = fdp.Reduction(comm_hook=hook, layout="leaves")
+    step = fdp.train_step(loss, reduction=reduction, fold_dots=False, donate=False)
+    want, _ = step(fdp.replicate(state), fdp.shard_batch(X))
+
+    def own(state, x, comm_hook):
+        grads = jax.grad(loss)(state.params, x)
+        return state.apply_gradients(grads=fdp.reduce_gradients(grads, comm_hook=comm_hook))
+
+    got = fdp.ddp(lambda s, x: own(s, x, hook), batch_argnums=1)(state, X)
+    mean = fdp.ddp(lambda s, x: own(s, x, None), batch_argnums=1)(state, X)
+    for name in params:
+        np.testing.assert_array_equal(got.params[name], want.params[name])
+    # The hook ran: its rounding moved the weights away from the plain mean's.
+    assert not np.array_equal(got.params["w"], mean.params["w"])
+
+
+def test_a_hook_with_state_is_refused_by_name(mesh):
+    def step(params, x):
+        params = jax.lax.pcast(params, "data", to="varying")
+        return fdp.reduce_gradients(jax.grad(loss)(params, x), comm_hook="powersgd")
+
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    params = {"w": PARAMS["w"], "b": PARAMS["b"]}
+    with pytest.raises(ValueError, match=r"'powersgd\(.*keeps state.*reduce_with_hook"):
+        mapped(params, jax.device_put(X, NamedSharding(mesh, P("data"))))
