@@ -246,11 +246,12 @@ class DataParallelStep(StepRunner):
     ) -> tuple[Any, Any]:
         """Reduced gradients from a shard_map, then the update on sharded global arrays."""
         cfg = self.config
-        mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
+        mesh, axis = cfg.bound_mesh, cfg.axis_name
+        shard = cfg.shard_axis  # the data axis, or each host's devices (HSDP)
         stats = side.get("batch_stats")
         data = P(axis)
         stats_spec = data if isinstance(stats, PerDevice) else P()
-        param_specs = specs(core.params, n, axis)
+        param_specs = specs(core.params, cfg.num_shards, shard)
         params_in = param_specs if cfg.zero_stage >= 3 else P()
         grads_out = param_specs if cfg.scatters_gradients else P()
         local = cfg.shard_map(
@@ -263,18 +264,18 @@ class DataParallelStep(StepRunner):
         )
         # The update, written on whole arrays: XLA runs it on each device's share.
         old = core.replace(
-            params=constrain(core.params, mesh, axis),
-            opt_state=constrain(core.opt_state, mesh, axis),
+            params=constrain(core.params, mesh, shard),
+            opt_state=constrain(core.opt_state, mesh, shard),
         )
-        new = old.apply_gradients(grads=constrain(grads, mesh, axis))
+        new = old.apply_gradients(grads=constrain(grads, mesh, shard))
         if flags is not None:
             keep = keep_from_flags(plan.usage, flags)
             new = keep_untouched(new, old, jax.tree.structure(old.params), keep)
         new = new.replace(
-            params=constrain(new.params, mesh, axis)
+            params=constrain(new.params, mesh, shard)
             if cfg.zero_stage >= 3
             else constrain_replicated(new.params, mesh),
-            opt_state=constrain(new.opt_state, mesh, axis),
+            opt_state=constrain(new.opt_state, mesh, shard),
         )
         return join_side(new, {"batch_stats": stats, "comm_state": comm}), metrics
 

@@ -196,7 +196,7 @@ class NNXDataParallelStep(StepRunner):
     def _place_zero(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
         """Shards the optimizer state (and at stage 3 the parameters) over the data axis."""
         cfg = self.config
-        mesh, axis = cfg.bound_mesh, cfg.axis_name
+        mesh, axis = cfg.bound_mesh, cfg.shard_axis
         nnx.update(optimizer.opt_state, place(nnx.state(optimizer.opt_state), mesh, axis))
         if cfg.zero_stage >= 3:
             nnx.update(model, place(nnx.state(model, optimizer.wrt), mesh, axis))
@@ -266,13 +266,14 @@ class NNXDataParallelStep(StepRunner):
     ) -> tuple[Any, Any, Any]:
         """Reduced gradients from a shard_map, then ``optimizer.update`` on sharded arrays."""
         cfg = self.config
-        mesh, axis, n = cfg.bound_mesh, cfg.axis_name, cfg.num_replicas
+        mesh, axis = cfg.bound_mesh, cfg.axis_name
+        shard = cfg.shard_axis  # the data axis, or each host's devices (HSDP)
         model, optimizer = nnx.merge(graphdef, comm, state)
         model_def, params, keys, rest = _split_model(model, optimizer)
         has_comm = hasattr(optimizer, "fdp_comm_state")
         hook_state = optimizer.fdp_comm_state.get_value() if has_comm else None
         data = P(axis)
-        param_specs = specs(params, n, axis)
+        param_specs = specs(params, cfg.num_shards, shard)
 
         def local(params: Any, keys: Any, rest: Any, hook_state: Any, batch: Any, mask: Any):
             out = reduce_step(
@@ -303,10 +304,10 @@ class NNXDataParallelStep(StepRunner):
         )(params, keys, rest, hook_state, batch, mask)
         nnx.update(model, buffers)
         # The update, written on whole arrays: XLA runs it on each device's share.
-        nnx.update(model, constrain(params, mesh, axis))
-        nnx.update(optimizer.opt_state, constrain(nnx.state(optimizer.opt_state), mesh, axis))
+        nnx.update(model, constrain(params, mesh, shard))
+        nnx.update(optimizer.opt_state, constrain(nnx.state(optimizer.opt_state), mesh, shard))
         old = (nnx.as_pure(params), nnx.as_pure(nnx.state(optimizer.opt_state)))
-        optimizer.update(model, constrain(grads, mesh, axis))
+        optimizer.update(model, constrain(grads, mesh, shard))
         new_params = nnx.state(model, optimizer.wrt)
         new_opt = nnx.state(optimizer.opt_state)
         if flags is not None:
@@ -315,10 +316,10 @@ class NNXDataParallelStep(StepRunner):
             kept = keep_untouched(new, old, jax.tree.structure(old[0]), keep)
             new_params, new_opt = nnx.state(kept[0]), nnx.state(kept[1])
         if cfg.zero_stage >= 3:
-            nnx.update(model, constrain(new_params, mesh, axis))
+            nnx.update(model, constrain(new_params, mesh, shard))
         else:
             nnx.update(model, constrain_replicated(new_params, mesh))
-        nnx.update(optimizer.opt_state, constrain(new_opt, mesh, axis))
+        nnx.update(optimizer.opt_state, constrain(new_opt, mesh, shard))
         if has_comm:
             optimizer.fdp_comm_state.set_value(hook_state)
         comm_out, state_out = nnx.split((model, optimizer), CommState, ...)[1:]
