@@ -79,7 +79,8 @@ class Reduction:
       hierarchical: with ``axis_name=(outer, inner)``, reduce each bucket in
         two levels (:func:`fdp.hooks.hierarchical`): reduce-scatter inside
         hosts, ``comm_hook`` across hosts on ``1/inner`` of the bytes,
-        all-gather inside hosts.
+        all-gather inside hosts. With ZeRO, only together with
+        ``Sharding(shard_over="inner")``, which reduces so anyway.
       reduce_dtype: the dtype gradients are reduced in (FSDP2's
         ``MixedPrecisionPolicy.reduce_dtype``), None for their own. Wider than
         a gradient: cast up, reduced, cast back. Narrower: sent in it and
