@@ -123,7 +123,11 @@ def vary(tree: Any, axis_name: AxisName) -> Any:
 
     def leaf(x: Any) -> Any:
         if is_varying(x, axis_name) is False:
-            return jax.lax.pcast(x, axis_name, to="varying")
+            # Only the axes it does not vary over yet: under hybrid sharding a
+            # parameter shard varies over the inner axis already, and pcast
+            # refuses an axis the value varies over.
+            missing = tuple(a for a in _names(axis_name) if a not in varying_axes(x))
+            return jax.lax.pcast(x, missing, to="varying")
         return x
 
     return jax.tree.map(leaf, tree)

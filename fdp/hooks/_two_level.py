@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -39,9 +40,13 @@ def split_axis(axis_name: Any, what: str) -> tuple[str, str]:
     )
 
 
-def _share(bucket: Bucket, k: int) -> Bucket:
-    """The 1-D share of ``bucket`` each device of a host reduces over the outer axis."""
-    size = math.ceil(bucket.size / k)
+def share_bucket(bucket: Bucket, k: int, size: int | None = None) -> Bucket:
+    """The 1-D share of ``bucket`` each device of a host reduces over the outer axis.
+
+    ``size``: its elements; by default ``ceil(bucket.size / k)``, a slice of the
+    flat bucket (hybrid sharding passes the sum of its leaves' shares).
+    """
+    size = math.ceil(bucket.size / k) if size is None else size
     return dataclasses.replace(
         bucket,
         leaf_indices=(bucket.index,),
@@ -52,9 +57,13 @@ def _share(bucket: Bucket, k: int) -> Bucket:
     )
 
 
-def share_plan(plan: BucketPlan, k: int) -> BucketPlan:
-    """``plan`` with every bucket replaced by its ``1/k`` share (one 1-D leaf each)."""
-    buckets = tuple(_share(b, k) for b in plan.buckets)
+def share_plan(plan: BucketPlan, k: int, sizes: Sequence[int] | None = None) -> BucketPlan:
+    """``plan`` with every bucket replaced by its ``1/k`` share (one 1-D leaf each).
+
+    ``sizes``: per bucket, the share's elements (default: see :func:`_share`).
+    """
+    each: list[int | None] = [None] * len(plan.buckets) if sizes is None else list(sizes)
+    buckets = tuple(share_bucket(b, k, size) for b, size in zip(plan.buckets, each, strict=True))
     return dataclasses.replace(
         plan,
         buckets=buckets,
@@ -130,7 +139,7 @@ def hierarchical(
                 f"per host, but axis {inner_axis!r} has {k}."
             )
         x = bucket.buffer
-        meta = _share(bucket.meta, k)
+        meta = share_bucket(bucket.meta, k)
         padded = jnp.pad(x, (0, meta.size * k - bucket.size))
         # Divide by k first (torch's order); the outer hook divides by the hosts.
         share = jax.lax.psum_scatter(padded / jnp.asarray(k, x.dtype), inner_axis, tiled=True)

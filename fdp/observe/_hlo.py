@@ -103,7 +103,7 @@ class Collective:
         ``mesh['x'=2,'y'=4] {'y'}`` (the product of the named axes).
         """
         text = self.replica_groups
-        mesh = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+        mesh = re.match(r"mesh\[(.*?)\].*?\{(.*?)\}", text)
         if mesh:
             sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh[1]))
             return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh[2]))
@@ -226,7 +226,11 @@ def _hlo_ops(text: str) -> list[Collective]:
             dtypes.append(dt)
             nbytes += math.prod(shape) * _HLO_BITS[dt] // 8
         groups = re.search(
-            r"replica_groups=(mesh\[[^\]]*\]\s*\{[^}]*\}|\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line
+            r"replica_groups=(mesh\[[^\]]*\]"
+            # XLA's partitioner names the devices too: device_ids=([2,4]T(1,0)).
+            r"(?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}"
+            r"|\{[^ ]*\}|\[[^ ]*\][^ ,]*)",
+            line,
         )
         ops.append(
             Collective(

@@ -20,6 +20,7 @@ from fdp.hooks._basic import is_default, is_mean_reduce_scatter
 from fdp.hooks._contract import Layout, reduce_scatter_of
 from fdp.hooks._reduce_dtype import reduce_in
 from fdp.hooks._two_level import hierarchical, split_axis
+from fdp.step._hybrid import hybrid as hybrid_hook
 from fdp.step._policies import (
     POLICIES,
     Accumulation,
@@ -125,12 +126,21 @@ class StepConfig:
 
     def _check_reduction(self) -> None:
         """Checks ``hierarchical`` and ``reduce_dtype`` against the axis and ZeRO."""
+        if self.hybrid and self.reduce_dtype is not None:
+            raise ValueError(
+                f"reduce_dtype={self.reduce_dtype.name!r} sets the dtype of the default mean "
+                "all-reduce; with shard_over='inner' the comm hook runs between hosts only. "
+                "Pick that hop's dtype with comm_hook='bf16_compress' (or another hook) and "
+                "leave reduce_dtype unset."
+            )
         if self.hierarchical:
             split_axis(self.axis_name, "hierarchical=True")
-            if self.zero_stage:
+            if self.zero_stage and not self.hybrid:
                 raise ValueError(
-                    f"hierarchical=True with zero_stage={self.zero_stage} is not supported: "
-                    "ZeRO reduce-scatters over the whole data axis. Use one or the other."
+                    f"hierarchical=True with zero_stage={self.zero_stage} is not supported "
+                    "over the whole data axis: ZeRO reduce-scatters over every device. To "
+                    "reduce inside hosts first, shard inside them: "
+                    f"sharding=fdp.Sharding(zero_stage={self.zero_stage}, shard_over='inner')."
                 )
         if self.reduce_dtype is not None and self.zero_stage >= 2:
             raise ValueError(
@@ -229,13 +239,31 @@ class StepConfig:
         return self.sharding.zero_stage
 
     @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards inside each host and replicates across hosts (HSDP)."""
+        return self.zero_stage >= 1 and self.sharding.shard_over == "inner"
+
+    @property
+    def shard_axis(self) -> AxisName:
+        """The axis ZeRO's state is sharded over: the inner axis with HSDP, else the data axis."""
+        return self.axis_names[1] if self.hybrid else self.axis_name
+
+    @property
+    def num_shards(self) -> int:
+        """Devices along :attr:`shard_axis`: what one sharded leaf is split into."""
+        return check_axis(self._need_bound("num_shards"), self.shard_axis)
+
+    @property
     def hook(self) -> CommHook:
         """The hook the step runs: ``comm_hook`` as ``hierarchical``/``reduce_dtype`` make it.
 
-        Needs a bound config when ``hierarchical`` (the hook is sized to the
-        devices per host).
+        Needs a bound config when ``hierarchical`` or hybrid (the hook is sized
+        to the devices per host). With hybrid sharding the step's ``comm_hook``
+        runs on the hop between hosts (:func:`fdp.step._hybrid.hybrid`).
         """
         hook = self.comm_hook
+        if self.hybrid:
+            return hybrid_hook(hook, inner_size=self.num_shards)
         if self.hierarchical:
             inner = self.axis_names[1]
             hook = hierarchical(hook, inner_size=int(self._need_bound("hook").shape[inner]))
@@ -248,6 +276,8 @@ class StepConfig:
         stage, hook = self.zero_stage, self.comm_hook
         if stage == 0:
             return
+        if self.sharding.shard_over == "inner":
+            split_axis(self.axis_name, "sharding=fdp.Sharding(shard_over='inner')")
         if not hook.replicated_output:
             raise ValueError(
                 f"comm hook {hook.name!r} lets replicas diverge (one state per device), "
@@ -259,7 +289,8 @@ class StepConfig:
                 f"model_averager (post-local SGD) averages whole per-device parameters, "
                 f"which zero_stage={stage} does not keep. Use zero_stage=0 with it."
             )
-        if stage >= 2 and reduce_scatter_of(hook) is None:
+        # Under HSDP the hook all-reduces shares between hosts: any hook will do.
+        if stage >= 2 and reduce_scatter_of(hook) is None and not self.hybrid:
             raise ValueError(
                 f"comm hook {hook.name!r} has no reduce-scatter form, which "
                 f"zero_stage={stage} needs (each device keeps only its share of every "
@@ -397,7 +428,7 @@ class StepConfig:
         stage 1 sends what DDP sends. Hooks without one (PowerSGD, quantization)
         all-reduce at stage 1, and each device keeps its slice.
         """
-        if self.zero_stage >= 2:
+        if self.zero_stage >= 2 or self.hybrid:  # HSDP: the hook all-reduces shares
             return True
         return self.zero_stage == 1 and reduce_scatter_of(self.comm_hook) is not None
 
@@ -409,11 +440,13 @@ class StepConfig:
         hook): the gradient leaves the backward pass as the all-gather's
         transpose, a plain sum, with no hook to run. Other hooks gather every
         bucket at the start of the step, as ``reshard_after_forward=False`` does.
+        With HSDP any hook will do: inside a host the sum is plain, and the hook
+        runs on the shares' hop between hosts after the backward pass.
         """
         return (
             self.zero_stage >= 3
             and self.sharding.reshard_after_forward
-            and is_mean_reduce_scatter(reduce_scatter_of(self.hook))
+            and (self.hybrid or is_mean_reduce_scatter(reduce_scatter_of(self.hook)))
         )
 
     @property

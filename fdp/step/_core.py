@@ -26,6 +26,7 @@ from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
+from fdp.step._hybrid import reduce_hybrid
 from fdp.step._keys import per_device
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._norm import global_norm
@@ -173,14 +174,16 @@ def reduce_step(
     axis = config.axis_name
     tracked = config.find_unused_parameters
     n = config.num_replicas
+    # ZeRO's shards: over the data axis, or over each host's devices (HSDP).
+    shard, k = config.shard_axis, config.num_shards
     # A loss with nothing to fold (its dense layers in a scan) is left alone.
     objective = fold_leading_dims(objective) if plan.folds and plan.folds.folded else objective
     per_use = config.gathers_per_use
-    dims = bucket_shard_dims(plan.buckets, n)
+    dims = bucket_shard_dims(plan.buckets, k)
     if per_use:  # gathered inside the forward and again in the backward pass
-        objective = per_use_objective(objective, dims, axis)
+        objective = per_use_objective(objective, dims, shard)
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
-        params = gather_params(params, plan.buckets, axis, n)
+        params = gather_params(params, plan.buckets, shard, k)
     out = local_gradients(
         objective,
         vary(params, axis),
@@ -196,7 +199,18 @@ def reduce_step(
         track=plan.usage.conditional if tracked else (),
         gather_aux=config.gather_aux,
     )
-    if per_use:  # reduce-scattered in the backward pass already
+    if config.hybrid:  # inside each host (in the backward pass, per use), then across hosts
+        grads, hook_state = reduce_hybrid(
+            config.comm_hook,
+            hook_state,
+            out.grads,
+            plan=plan.buckets,
+            dims=dims,
+            axis_name=axis,
+            layout=config.bound_layout,
+            summed=per_use,
+        )
+    elif per_use:  # reduce-scattered in the backward pass already
         grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
     else:
         grads, hook_state = reduce_with_hook(
@@ -215,7 +229,7 @@ def reduce_step(
     metrics = reduce_metrics(out.global_loss(axis), out.aux, axis, out.aux_rows)
     if config.reduction.grad_norm:  # each device may hold its share of split leaves
         shared = per_use or config.scatters_gradients
-        metrics[0]["grad_norm"] = global_norm(grads, dims if shared else None, axis)
+        metrics[0]["grad_norm"] = global_norm(grads, dims if shared else None, shard)
     if finite.enabled():  # FDP_CHECK_FINITE=1: each device's loss and gradients, tested
         metrics[0][finite.KEY] = finite.codes(out.loss, out.grads, axis, n)
     return Reduced(

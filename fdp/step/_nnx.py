@@ -285,7 +285,7 @@ class NNXDataParallelStep(Step):
     def _place_zero(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
         """Shards the optimizer state (and at stage 3 the parameters) over the data axis."""
         cfg = self.config
-        mesh, axis = cfg.bound_mesh, cfg.axis_name
+        mesh, axis = cfg.bound_mesh, cfg.shard_axis
         nnx.update(optimizer.opt_state, place(nnx.state(optimizer.opt_state), mesh, axis))
         if cfg.zero_stage >= 3:
             nnx.update(model, place(nnx.state(model, optimizer.wrt), mesh, axis))

@@ -38,6 +38,8 @@ from fdp.step._zero import check_stage
 
 StepLayout = Literal["auto", "leaves", "flat"]
 LAYOUTS = ("auto", "leaves", "flat")
+ShardOver = Literal["all", "inner"]
+SHARD_OVER = ("all", "inner")
 ACCUMULATE_OPS = ("mean", "sum")
 WEIGHTINGS = ("example", "device")
 DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb
@@ -78,7 +80,8 @@ class Reduction:
       hierarchical: with ``axis_name=(outer, inner)``, reduce each bucket in
         two levels (:func:`fdp.hooks.hierarchical`): reduce-scatter inside
         hosts, ``comm_hook`` across hosts on ``1/inner`` of the bytes,
-        all-gather inside hosts.
+        all-gather inside hosts. With ZeRO, only together with
+        ``Sharding(shard_over="inner")``, which reduces so anyway.
       reduce_dtype: the dtype gradients are reduced in (FSDP2's
         ``MixedPrecisionPolicy.reduce_dtype``), None for their own. Wider than
         a gradient: cast up, reduced, cast back. Narrower: sent in it and
@@ -263,9 +266,9 @@ class Loss:
 class Sharding:
     """What is sharded over the data axis, and when.
 
-    ZeRO's stage and, at stage 3, when parameters are gathered; hybrid
-    (replicated x sharded) meshes and a parameter dtype will be fields of this
-    policy too.
+    ZeRO's stage, at stage 3 when parameters are gathered, and on a host x
+    device data axis which of its axes the state is sharded over (a parameter
+    dtype will be a field of this policy too).
 
     Attributes:
       zero_stage: ZeRO's stage (DeepSpeed's meaning): ``0`` DDP (everything
@@ -279,6 +282,17 @@ class Sharding:
         ``False``). ``False``: every bucket is gathered at the start of the
         step and kept until the backward pass is done (one gather per bucket,
         stage 1's peak memory), for users who have the memory.
+      shard_over: on a host x device data axis (``axis_name=fdp.HOST_AXES``),
+        which devices share the sharded state. ``"all"`` (default): every
+        device of the data axis holds ``1/N`` (``N`` = all devices; on a
+        single data axis there is no other choice). ``"inner"``: hybrid
+        sharding (HSDP, ZeRO++'s hpZ): each host's ``k`` devices hold ``1/k``
+        and the hosts keep replicas of it; gradients are reduce-scattered
+        inside each host and only the ``1/k`` shares cross hosts, all-reduced
+        with the step's ``comm_hook`` (``"bf16_compress"``, an int8 hook), and
+        stage 3 gathers parameters inside the host only. Needs
+        ``zero_stage`` >= 1 and ``axis_name=(outer, inner)``. See
+        docs/zero.md.
 
     Example:
       >>> import fdp
@@ -286,17 +300,32 @@ class Sharding:
       2
       >>> fdp.Sharding(zero_stage=3, reshard_after_forward=False).reshard_after_forward
       False
+      >>> fdp.Sharding(zero_stage=3, shard_over="inner").shard_over
+      'inner'
+      >>> fdp.Sharding(shard_over="inner")
+      Traceback (most recent call last):
+      ...
+      ValueError: shard_over='inner' shards ZeRO's state over each host's devices; with
+      zero_stage=0 nothing is sharded. Pass zero_stage=1, 2 or 3.
     """
 
     zero_stage: int = 0
     # New in this policy: not a flat keyword of fdp 0.1, so the shim does not take it.
     reshard_after_forward: bool = dataclasses.field(default=True, metadata={"new": True})
+    shard_over: ShardOver = dataclasses.field(default="all", metadata={"new": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(
                 f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}."
+            )
+        if self.shard_over not in SHARD_OVER:
+            raise ValueError(f"shard_over must be one of {SHARD_OVER}, got {self.shard_over!r}.")
+        if self.shard_over == "inner" and self.zero_stage == 0:
+            raise ValueError(
+                "shard_over='inner' shards ZeRO's state over each host's devices; with "
+                "zero_stage=0 nothing is sharded. Pass zero_stage=1, 2 or 3."
             )
 
 

@@ -101,7 +101,7 @@ class StepRunner:
             return None
         cfg = self.config
         return memory_table(
-            cfg.zero_stage, cfg.num_replicas, *self._held, scattered=cfg.scatters_gradients
+            cfg.zero_stage, cfg.num_shards, *self._held, scattered=cfg.scatters_gradients
         )
 
     def _plan_for(self, args: tuple, compute: Callable[[], StepPlan]) -> StepPlan:

@@ -126,10 +126,11 @@ class Step(StepRunner):
     ) -> tuple[Parts, Any]:
         """ZeRO stages 1-3: reduced gradients from a shard_map, then the sharded update."""
         cfg, front = self.config, self._front
-        axis, n = cfg.axis_name, cfg.num_replicas
+        axis = cfg.axis_name
+        shard = cfg.shard_axis  # the data axis, or each host's devices (HSDP)
         view = front.open(cfg, static, parts, local=False)
         data = P(axis)
-        param_specs = specs(view.params, n, axis)
+        param_specs = specs(view.params, cfg.num_shards, shard)
         buffer_spec = front.buffer_spec(cfg, view.buffers)
 
         def local(params: Any, buffers: Any, keys: Any, hook_state: Any, *inputs: Any) -> tuple:

@@ -175,7 +175,7 @@ def sharded_update(
       config: the bound step config.
       plan: the step plan.
     """
-    mesh, axis = config.bound_mesh, config.axis_name
+    mesh, axis = config.bound_mesh, config.shard_axis  # the data axis, or a host's devices
     owner = front.with_arrays(
         owner,
         constrain(front.params(owner), mesh, axis),

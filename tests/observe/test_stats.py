@@ -137,3 +137,21 @@ def test_the_bytes_all_reduced_per_step_count_the_shared_memory_sums():
     stats = _stats.RuntimeStats(_stats.StatsSchedule(), collectives=kinds).as_dict()
     assert stats["allreduce_bytes_per_step"] == 11264
     assert stats["allreduce_count_per_step"] == 4
+
+
+# An all-gather as XLA's partitioner writes it on a 2 x 4 mesh (jaxlib 0.10.2, shortened):
+# devices [[0..3], [4..7]] transposed, grouped along the axis of 4.
+_MESH_GROUPS_HLO = (
+    "  %all-gather.1 = f32[64,32]{1,0} all-gather(%fusion.12), channel_id=3, "
+    "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+    "{'axis_0'}, dimensions={0}, use_global_device_ids=true"
+)
+
+
+def test_mesh_groups_that_name_their_devices_are_read():
+    (op,) = fdp.collective_stats(_MESH_GROUPS_HLO).ops
+    assert op.replica_groups.startswith("mesh['axis_0'=4") and op.replica_groups.endswith(
+        "{'axis_0'}"
+    )
+    assert op.group_size == 4
+    assert op.sent_bytes == 64 * 32 * 4 * 3 / 4

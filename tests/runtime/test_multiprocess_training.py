@@ -82,6 +82,28 @@ def test_zero_stage_3_over_two_processes_trains_like_the_ddp_run(uninterrupted, 
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["6", "8"]
 
 
+def test_hybrid_sharding_over_two_processes_trains_like_one_process_with_four_devices(
+    tmp_path, marker
+):
+    """HSDP: ZeRO-3 inside each process (its 2 devices hold half of every parameter and
+    of Adam's state), replicated across the 2 processes; gradients reduce-scattered
+    inside a process and the halves all-reduced across processes (gloo). Each process
+    saves its shards; the parameters end where 1 process x 4 devices (DDP) ends."""
+    alone = ["--devices", "4", "--replicas", "2"]  # the same global batches, 1 process
+    one = run(["tests/workers/train.py", "--out", tmp_path / "one.npz", *alone], marker)
+    assert one.returncode == 0, one.output
+    args = ["--out", tmp_path / "h.npz", "--ckpt-dir", tmp_path / "ck", "--zero-stage", "3"]
+    out = launch(TWO_BY_TWO, "train.py", [*args, "--host-mesh", "--shard-over", "inner"], marker)
+    assert out.returncode == 0, out.output
+    # (64, 32) split over a process's 2 devices, not over all 4.
+    assert out.stdout.count("Adam mu of Dense_0 kernel: (32, 32) on each device") == 2
+    want, got = load(tmp_path / "one.npz"), load(tmp_path / "h.npz")
+    assert int(got["step"]) == int(want["step"]) == 8 and got.keys() == want.keys()
+    for name in got:
+        np.testing.assert_allclose(want[name], got[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["6", "8"]
+
+
 @pytest.mark.parametrize("hook", [None, "compressed_int8"])
 def test_hierarchical_reduction_over_two_processes_trains_like_the_flat_run(
     uninterrupted, tmp_path, marker, hook

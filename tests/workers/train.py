@@ -2,6 +2,7 @@
 
     train.py --out params.npz [--devices 2] [--replicas R] [--ckpt-dir D]
              [--die-at-step S] [--narrow-rank R] [--zero-stage Z] [--hierarchical]
+             [--host-mesh] [--shard-over inner]
 
 Under `fdp launch` each process feeds its own local batches, read with a
 DistributedSampler. Alone, `--replicas R` builds the same global batches from R
@@ -26,6 +27,8 @@ parser.add_argument("--die-at-step", type=int, default=0, help="rank 1 SIGKILLs 
 parser.add_argument("--narrow-rank", type=int, default=-1, help="this rank builds a narrower MLP")
 parser.add_argument("--zero-stage", type=int, default=0)
 parser.add_argument("--hierarchical", action="store_true", help="host x device mesh, two levels")
+parser.add_argument("--host-mesh", action="store_true", help="host x device mesh, flat reduction")
+parser.add_argument("--shard-over", default="all", help="ZeRO over 'all' devices or 'inner' (HSDP)")
 parser.add_argument("--comm-hook", default=None)
 args = parser.parse_args()
 
@@ -55,9 +58,10 @@ steps_per_epoch = samplers[0].num_batches(local_batch)
 
 model = MLP(features=(32, 8) if rank == args.narrow_rank else (32, 16))
 params = model.init(jax.random.key(rank), np.zeros((1, 8, 8, 1), np.float32))["params"]
-axes = fdp.HOST_AXES if args.hierarchical else fdp.DATA_AXIS
+host_mesh = args.hierarchical or args.host_mesh
+axes = fdp.HOST_AXES if host_mesh else fdp.DATA_AXIS
 mesh = fdp.data_mesh(axis_name=axes)
-if args.hierarchical:  # one row of the mesh per process: its devices
+if host_mesh:  # one row of the mesh per process: its devices
     assert [{d.process_index for d in row} for row in mesh.devices] == [{p} for p in range(nproc)]
 state = fdp.replicate(
     TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2)), mesh
@@ -66,11 +70,13 @@ step_fn = fdp.train_step(
     cross_entropy(model.apply),
     mesh=mesh,
     axis_name=axes,
-    sharding=fdp.Sharding(zero_stage=args.zero_stage),
+    sharding=fdp.Sharding(zero_stage=args.zero_stage, shard_over=args.shard_over),
     reduction=fdp.Reduction(hierarchical=args.hierarchical, comm_hook=args.comm_hook),
 )
 if args.zero_stage:
     state = step_fn.init(state)  # sharded before a restore, so orbax reads only each shard
+    held = state.opt_state[0].mu["Dense_0"]["kernel"].addressable_shards
+    print(f"Adam mu of Dense_0 kernel: {held[0].data.shape} on each device", flush=True)
 
 start = 0
 # Synchronous saves: the kill test expects the save of step 4 to be on disk when rank 1
