@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fdp import _compat
 from fdp.bucketing import Bucket, BucketPlan, pack, unpack
 from fdp.collectives import axis_size, sum_over
 from fdp.collectives._axis import AxisName
@@ -50,6 +51,11 @@ class GradBucket:
         work either way (the default all-reduce) follow it.
       shard_dims: with ZeRO stage 2 or 3, per gradient the dimension its
         reduced value is scattered along (None: kept whole); else None.
+      grouped: with ``layout='flat'``, whether the step's compiler merges the
+        collectives tagged with the bucket's key (:func:`bucket_key`) into one
+        (XLA:GPU, the default hook). The default hook then reduces the
+        gradients where they lie, one tagged all-reduce each, instead of
+        packing them: still one collective per bucket, without the packing copy.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class GradBucket:
         layout: str = "leaves",
         parameters: Sequence[jax.Array] | None = None,
         shard_dims: Sequence[int | None] | None = None,
+        grouped: bool = False,
     ):
         self.meta = meta
         self.gradients = tuple(gradients)
@@ -70,6 +77,7 @@ class GradBucket:
         self.axis_name = axis_name
         self.layout = layout
         self.shard_dims = None if shard_dims is None else tuple(shard_dims)
+        self.grouped = grouped
 
     @property
     def index(self) -> int:
@@ -131,6 +139,7 @@ class GradBucket:
             layout=self.layout,
             parameters=self.parameters,
             shard_dims=self.shard_dims,
+            grouped=self.grouped,
         )
 
     def shard_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -243,6 +252,24 @@ def mean_all_reduce(
     if divide_first:
         return total([v / jnp.asarray(size, v.dtype) for v in values])
     return [v / size for v in total(list(values))]
+
+
+def bucket_key(index: int) -> str:
+    """The combiner key of bucket ``index``'s collectives (its name in the HLO too)."""
+    return f"fdp_bucket_{index}"
+
+
+def grouped_mean_all_reduce(
+    values: Sequence[jax.Array], axis_name: AxisName, key: str
+) -> list[jax.Array]:
+    """:func:`mean_all_reduce` of ``values``, each all-reduce tagged with combiner key ``key``.
+
+    Under :func:`fdp._compat.group_gpu_all_reduces_by_key` XLA:GPU merges the
+    tagged all-reduces into one collective of several operands, each reduced in
+    place: DDP's one collective per bucket without copying the gradients into a
+    flat buffer first.
+    """
+    return [_compat.tag_combiner_key(r, key) for r in mean_all_reduce(values, axis_name)]
 
 
 def mean_reduce_scatter(

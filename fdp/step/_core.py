@@ -196,6 +196,7 @@ def reduce_step(
         rng=device_rng(rng, axis),
         track=plan.usage.conditional if tracked else (),
         gather_aux=config.gather_aux,
+        last_after_loop=config.on_gpu,
     )
     if per_use:  # reduce-scattered in the backward pass already
         grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
@@ -209,6 +210,7 @@ def reduce_step(
             layout=config.bound_layout,
             params=params,
             shard_dims=dims if config.scatters_gradients else None,
+            grouped=config.groups_buckets,
         )
     keep = None
     if tracked and (plan.usage.unused or plan.usage.conditional):
