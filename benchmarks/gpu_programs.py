@@ -49,14 +49,17 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
+    """A VGG-style network: eight 3x3 convolutions (256-2048 channels), two 4096 layers."""
+
     @nn.compact
     def __call__(self, x):
-        for features in (128, 256, 512, 1024):
+        for features in (256, 512, 1024, 2048):
             x = nn.relu(nn.Conv(features, (3, 3))(x))
             x = nn.relu(nn.Conv(features, (3, 3))(x))
             x = nn.max_pool(x, (2, 2), (2, 2))
         x = x.mean(axis=(1, 2))
-        return nn.Dense(1000)(nn.relu(nn.Dense(4096)(x)))
+        x = nn.relu(nn.Dense(4096)(nn.relu(nn.Dense(4096)(x))))
+        return nn.Dense(1000)(x)
 
 
 class Block(nn.Module):

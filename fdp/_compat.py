@@ -276,6 +276,54 @@ def keep_gpu_collectives_apart(kinds: tuple[str, ...]) -> dict[str, int]:
     return {GPU_COMBINE_THRESHOLDS[k]: 0 for k in kinds}
 
 
+GPU_COMBINER_KEY = "combiner_key"
+"""The frontend attribute XLA:GPU's all-reduce combiner adds to its grouping key.
+
+Two all-reduces with different values are never merged, whatever the threshold
+(``AppendCombinerKeyFromFrontendAttr`` in XLA's GPU collective combiners). An
+attribute XLA stops reading would let every bucket merge into one all-reduce: the
+GPU compile tier counts one per bucket.
+"""
+
+GPU_ALL_REDUCE_CONTIGUOUS = "all-reduce-contiguous"
+"""XLA's pass that concatenates the operands of a merged all-reduce into one buffer.
+
+Turned off, a merged all-reduce reduces its operands where they lie (one NCCL
+group call) instead of copying them together first.
+"""
+
+# Larger than any bucket: the combiner merges every all-reduce of a key.
+_GROUP_THRESHOLD_BYTES = 1 << 62
+
+
+def group_gpu_all_reduces_by_key(kinds: tuple[str, ...]) -> dict[str, int | str]:
+    """XLA:GPU options: all-reduces merged per :data:`GPU_COMBINER_KEY`, other ``kinds`` apart.
+
+    Each bucket's all-reduces, tagged with the bucket's key
+    (:func:`tag_combiner_key`), become one all-reduce of several operands,
+    reduced in place: one collective per bucket without packing the gradients
+    into a flat buffer. Untagged all-reduces (the loss, metrics) share one key,
+    and merge as XLA merges them by default.
+    """
+    options: dict[str, int | str] = dict(keep_gpu_collectives_apart(kinds))
+    options[GPU_COMBINE_THRESHOLDS["all-reduce"]] = _GROUP_THRESHOLD_BYTES
+    options["xla_disable_hlo_passes"] = GPU_ALL_REDUCE_CONTIGUOUS
+    return options
+
+
+def tag_combiner_key(x: jax.Array, key: str) -> jax.Array:
+    """``x``, its producing operation (a collective) tagged with combiner key ``key``.
+
+    Raises:
+      JaxCompatibilityError: this jax cannot attach XLA metadata to a value.
+    """
+    try:
+        from jax.experimental.xla_metadata import set_xla_metadata
+    except ImportError as e:  # pragma: no cover - depends on the jax version
+        raise _broken("jax.experimental.xla_metadata", str(e)) from e
+    return cast(jax.Array, set_xla_metadata(x, **{GPU_COMBINER_KEY: key}))
+
+
 # -- jaxpr equations (parameter-usage analysis, per-use gathers, fold_dots) -----------------
 
 

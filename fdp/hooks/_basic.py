@@ -18,6 +18,8 @@ from fdp.hooks._contract import (
     ReduceFn,
     as_leaves,
     as_shards,
+    bucket_key,
+    grouped_mean_all_reduce,
     mean_all_reduce,
     mean_reduce_scatter,
     reduce_scatter_of,
@@ -27,6 +29,9 @@ from fdp.hooks._contract import (
 
 
 def _allreduce_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
+    if bucket.layout == "flat" and bucket.grouped:  # one merged all-reduce, no packing
+        key = bucket_key(bucket.index)
+        return grouped_mean_all_reduce(list(bucket.gradients), bucket.axis_name, key), state
     if bucket.layout == "flat":
         return mean_all_reduce([bucket.buffer], bucket.axis_name)[0], state
     return mean_all_reduce(list(bucket.gradients), bucket.axis_name), state
@@ -54,7 +59,10 @@ def allreduce() -> CommHook:
     """DDP's ``allreduce_hook``: the mean over the data axis (the default hook).
 
     With the step's ``layout='flat'`` it all-reduces the packed bucket buffer,
-    with ``'leaves'`` the gradients in place (one ``psum`` call per bucket).
+    with ``'leaves'`` the gradients in place (one ``psum`` call per bucket). A
+    flat bucket marked ``grouped`` (fdp's GPU steps) is all-reduced in place
+    too, each gradient's all-reduce tagged with the bucket's key, so that XLA
+    merges them into one collective without the packing copy.
     Under ZeRO stages 2 and 3 it reduce-scatters each bucket instead (one
     reduce-scatter of a shard-major buffer per bucket with ``'flat'``).
 
@@ -90,6 +98,11 @@ def default_allreduce() -> CommHook:
 def is_default(hook: CommHook) -> bool:
     """Whether ``hook`` is :func:`default_allreduce` (the step chose no hook)."""
     return hook.reduce is _default_reduce
+
+
+def is_mean_all_reduce(hook: CommHook) -> bool:
+    """Whether ``hook`` reduces as :func:`allreduce` does (it, or :func:`default_allreduce`)."""
+    return hook.reduce in (_allreduce_reduce, _default_reduce)
 
 
 def is_mean_reduce_scatter(scatter: ReduceFn | None) -> bool:

@@ -91,6 +91,7 @@ def reduce_with_hook(
     layout: Layout = "leaves",
     params: Any = None,
     shard_dims: tuple[int | None, ...] | None = None,
+    grouped: bool = False,
 ) -> tuple[Any, HookState]:
     """Reduces per-device gradients bucket by bucket with ``hook``.
 
@@ -109,6 +110,9 @@ def reduce_with_hook(
       shard_dims: ZeRO stages 2 and 3: per leaf, the dimension to scatter the
         reduced gradient along (None: whole). The hook's ``reduce_scatter``
         runs instead of ``reduce``, and each device gets its share.
+      grouped: with ``layout='flat'``, the compiler merges each bucket's tagged
+        collectives into one (``GradBucket.grouped``; fdp's steps set it on
+        GPUs with the default hook, with the compiler options that do it).
 
     Returns:
       ``(reduced_grads, new_state)``. Leaves in no bucket come back as zeros
@@ -153,6 +157,7 @@ def reduce_with_hook(
             if param_leaves is None
             else [param_leaves[i] for i in bucket.leaf_indices],
             shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
+            grouped=grouped,
             after=after,
             largest_nbytes=largest,
         )

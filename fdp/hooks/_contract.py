@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fdp import _compat
 from fdp.bucketing import Bucket, BucketPlan, pack, unpack
 from fdp.collectives import axis_size, sum_over
 from fdp.collectives._axis import AxisName
@@ -55,6 +56,11 @@ class GradBucket:
         that every process runs those calls in bucket order.
       largest_nbytes: the bytes of the largest bucket of this reduction (a
         hook that reserves room for every bucket at the first one reads it).
+      grouped: with ``layout='flat'``, whether the step's compiler merges the
+        collectives tagged with the bucket's key (:func:`bucket_key`) into one
+        (XLA:GPU, the default hook). The default hook then reduces the
+        gradients where they lie, one tagged all-reduce each, instead of
+        packing them: still one collective per bucket, without the packing copy.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class GradBucket:
         shard_dims: Sequence[int | None] | None = None,
         after: Sequence[jax.Array] | None = None,
         largest_nbytes: int = 0,
+        grouped: bool = False,
     ):
         self.meta = meta
         self.gradients = tuple(gradients)
@@ -79,6 +86,7 @@ class GradBucket:
         self.shard_dims = None if shard_dims is None else tuple(shard_dims)
         self.after = None if after is None else tuple(after)
         self.largest_nbytes = largest_nbytes
+        self.grouped = grouped
 
     @property
     def index(self) -> int:
@@ -142,6 +150,7 @@ class GradBucket:
             shard_dims=self.shard_dims,
             after=self.after,
             largest_nbytes=self.largest_nbytes,
+            grouped=self.grouped,
         )
 
     def shard_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -270,6 +279,24 @@ def mean_all_reduce(
     if divide_first:
         return total([v / jnp.asarray(size, v.dtype) for v in values])
     return [v / size for v in total(list(values))]
+
+
+def bucket_key(index: int) -> str:
+    """The combiner key of bucket ``index``'s collectives (its name in the HLO too)."""
+    return f"fdp_bucket_{index}"
+
+
+def grouped_mean_all_reduce(
+    values: Sequence[jax.Array], axis_name: AxisName, key: str
+) -> list[jax.Array]:
+    """:func:`mean_all_reduce` of ``values``, each all-reduce tagged with combiner key ``key``.
+
+    Under :func:`fdp._compat.group_gpu_all_reduces_by_key` XLA:GPU merges the
+    tagged all-reduces into one collective of several operands, each reduced in
+    place: DDP's one collective per bucket without copying the gradients into a
+    flat buffer first.
+    """
+    return [_compat.tag_combiner_key(r, key) for r in mean_all_reduce(values, axis_name)]
 
 
 def mean_reduce_scatter(

@@ -179,6 +179,7 @@ class GradAccumulator:
                 axis_name=cfg.axis_name,
                 plan=plan,
                 layout=cfg.bound_layout,
+                grouped=cfg.groups_buckets,
             )
             # Mean losses: total counts micro-batches; per-example: real examples.
             loss = jax.lax.psum(acc.loss, cfg.axis_name) / total

@@ -198,6 +198,7 @@ def reduce_step(
         rng=per_device(rng, axis),
         track=plan.usage.conditional if tracked else (),
         gather_aux=config.gather_aux,
+        last_after_loop=config.on_gpu,
     )
     if config.hybrid:  # inside each host (in the backward pass, per use), then across hosts
         grads, hook_state = reduce_hybrid(
@@ -222,6 +223,7 @@ def reduce_step(
             layout=config.bound_layout,
             params=params,
             shard_dims=dims if config.scatters_gradients else None,
+            grouped=config.groups_buckets,
         )
     keep = None
     if tracked and (plan.usage.unused or plan.usage.conditional):

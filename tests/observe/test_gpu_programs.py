@@ -92,6 +92,19 @@ def test_each_bucket_is_one_collective_of_the_gpu_program(
     assert memory.temp_size_in_bytes > 0
 
 
+def test_a_bucket_is_one_all_reduce_of_its_gradients_where_they_lie(gpu_mesh):
+    step, compiled = compile_step(gpu_mesh)
+    assert step.config.groups_buckets  # GPU, flat layout, the mean all-reduce hook
+    reductions = {op.buckets: op for op in collective_stats(compiled).ops if op.buckets}
+    assert sorted(reductions) == [(b.index,) for b in step.plan.buckets]
+    for bucket in step.plan.buckets:  # the gradients themselves, not a packed flat buffer
+        assert sorted(reductions[(bucket.index,)].shapes) == sorted(bucket.shapes)
+    # Packing (the bf16 hook's flat buffer) is what the grouping saves: one buffer each.
+    _, packed = compile_step(gpu_mesh, comm_hook="bf16_compress")
+    packed_ops = [op for op in collective_stats(packed).ops if op.buckets]
+    assert all(len(op.shapes) == 1 for op in packed_ops)
+
+
 def test_accumulation_overlaps_the_last_micro_batch_and_loops_without_collectives(gpu_mesh):
     step, compiled = compile_step(gpu_mesh, accumulate_steps=4)
     assert loop_collectives(compiled).ops == ()  # no_sync: nothing crosses devices in the loop
