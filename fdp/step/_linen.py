@@ -21,6 +21,7 @@ from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
 from fdp.step._core import join_metrics, metrics_specs, reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
+from fdp.step._padding import pad_tree, unpad_like
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
 from fdp.step._runner import StepRunner
@@ -261,19 +262,21 @@ class DataParallelStep(StepRunner):
         grads, stats, comm, flags, metrics = local(
             core.params, stats, side.get("comm_state"), batch, rng, mask
         )
-        # The update, written on whole arrays: XLA runs it on each device's share.
+        # The update, written on whole arrays: XLA runs it on each device's share;
+        # parameters and gradients padded as the optimizer state is, the padding cut after.
         old = core.replace(
-            params=constrain(core.params, mesh, axis),
+            params=constrain(pad_tree(core.params, n), mesh, axis),
             opt_state=constrain(core.opt_state, mesh, axis),
         )
-        new = old.apply_gradients(grads=constrain(grads, mesh, axis))
+        new = old.apply_gradients(grads=constrain(pad_tree(grads, n), mesh, axis))
         if flags is not None:
             keep = keep_from_flags(plan.usage, flags)
             new = keep_untouched(new, old, jax.tree.structure(old.params), keep)
+        params = unpad_like(new.params, core.params)
         new = new.replace(
-            params=constrain(new.params, mesh, axis)
+            params=constrain(params, mesh, axis)
             if cfg.zero_stage >= 3
-            else constrain_replicated(new.params, mesh),
+            else constrain_replicated(params, mesh),
             opt_state=constrain(new.opt_state, mesh, axis),
         )
         return join_side(new, {"batch_stats": stats, "comm_state": comm}), metrics

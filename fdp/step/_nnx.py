@@ -23,6 +23,7 @@ from fdp.step._batch import batch_rows, local_batch_struct, place_batch
 from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
 from fdp.step._core import join_metrics, metrics_specs, reduce_step
 from fdp.step._loss import call_loss, check_loss_fn
+from fdp.step._padding import pad_tree, unpad_like
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
 from fdp.step._runner import StepRunner
@@ -197,7 +198,8 @@ class NNXDataParallelStep(StepRunner):
         """Shards the optimizer state (and at stage 3 the parameters) over the data axis."""
         cfg = self.config
         mesh, axis = cfg.bound_mesh, cfg.axis_name
-        nnx.update(optimizer.opt_state, place(nnx.state(optimizer.opt_state), mesh, axis))
+        opt_state = place(nnx.state(optimizer.opt_state), mesh, axis, pad=True)
+        nnx.update(optimizer.opt_state, opt_state)
         if cfg.zero_stage >= 3:
             nnx.update(model, place(nnx.state(model, optimizer.wrt), mesh, axis))
 
@@ -302,11 +304,14 @@ class NNXDataParallelStep(StepRunner):
             ),
         )(params, keys, rest, hook_state, batch, mask)
         nnx.update(model, buffers)
-        # The update, written on whole arrays: XLA runs it on each device's share.
-        nnx.update(model, constrain(params, mesh, axis))
+        # The update, written on whole arrays: XLA runs it on each device's share;
+        # parameters and gradients padded as the optimizer state is, the padding cut after.
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        padded = pad_tree(params, n)
+        nnx.update(model, constrain(padded, mesh, axis))
         nnx.update(optimizer.opt_state, constrain(nnx.state(optimizer.opt_state), mesh, axis))
-        old = (nnx.as_pure(params), nnx.as_pure(nnx.state(optimizer.opt_state)))
-        optimizer.update(model, constrain(grads, mesh, axis))
+        old = (nnx.as_pure(padded), nnx.as_pure(nnx.state(optimizer.opt_state)))
+        optimizer.update(model, constrain(pad_tree(grads, n), mesh, axis))
         new_params = nnx.state(model, optimizer.wrt)
         new_opt = nnx.state(optimizer.opt_state)
         if flags is not None:
@@ -314,6 +319,7 @@ class NNXDataParallelStep(StepRunner):
             new = (nnx.as_pure(new_params), nnx.as_pure(new_opt))
             kept = keep_untouched(new, old, jax.tree.structure(old[0]), keep)
             new_params, new_opt = nnx.state(kept[0]), nnx.state(kept[1])
+        new_params = unpad_like(new_params, shapes)  # `params` now reads the padded values
         if cfg.zero_stage >= 3:
             nnx.update(model, constrain(new_params, mesh, axis))
         else:
