@@ -27,6 +27,7 @@ from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._fold import fold_leading_dims
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
+from fdp.step._mixed import cast_floats, compute_in, master_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
@@ -178,10 +179,16 @@ def reduce_step(
     objective = fold_leading_dims(objective) if plan.folds and plan.folds.folded else objective
     per_use = config.gathers_per_use
     dims = bucket_shard_dims(plan.buckets, n)
+    low, master = config.sharding.param_dtype, params  # mixed precision: fdp.step._mixed
     if per_use:  # gathered inside the forward and again in the backward pass
-        objective = per_use_objective(objective, dims, axis)
+        inner = objective if low is None else compute_in(objective, low)
+        objective = per_use_objective(inner, dims, axis, gather_dtype=low)
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
-        params = gather_params(params, plan.buckets, axis, n)
+        params = gather_params(
+            params if low is None else cast_floats(params, low), plan.buckets, axis, n
+        )
+    elif low is not None:  # whole: cast where the loss reads them
+        objective = compute_in(objective, low)
     out = local_gradients(
         objective,
         vary(params, axis),
@@ -203,7 +210,7 @@ def reduce_step(
         grads, hook_state = reduce_with_hook(
             config.hook,
             hook_state,
-            out.grads,
+            out.grads if low is None else master_gradients(out.grads, master),
             axis_name=axis,
             plan=plan.buckets,
             layout=config.bound_layout,

@@ -54,6 +54,7 @@ from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
 from fdp.hooks._contract import mean_all_reduce
 from fdp.step._local_grads import Objective
+from fdp.step._mixed import low_gather
 from fdp.step._zero import gather
 
 
@@ -147,8 +148,13 @@ def _use(eqn: Any, values: list[Any]) -> list[Any]:
     return run(others, shards)
 
 
-def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]) -> list[Any]:
-    """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used."""
+def _interpret(
+    jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any], low: Any = None
+) -> list[Any]:
+    """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used.
+
+    ``low``: a dtype the floating gathers move (:func:`fdp.step._mixed.low_gather`).
+    """
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
@@ -164,9 +170,10 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
         literal = [isinstance(v, jex.Literal) for v in eqn.invars]
         if id(eqn) in gathers:
             shard = values[0]
-            outs: list[Any] = [
-                _Lazy((shard,), lambda s, e=eqn: compat.bind_equation(e, list(s))[0])
-            ]
+            gather = lambda x, e=eqn: compat.bind_equation(e, [x])[0]  # noqa: E731
+            if low is not None and jnp.issubdtype(shard.dtype, jnp.floating):
+                gather = low_gather(gather, low)
+            outs: list[Any] = [_Lazy((shard,), lambda s, g=gather: g(s[0]))]
         elif not any(lazy):
             outs = compat.bind_equation(eqn, values)
         elif (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
@@ -192,7 +199,11 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
 
 
 def per_use_objective(
-    objective: Objective, dims: Sequence[int | None], axis_name: AxisName
+    objective: Objective,
+    dims: Sequence[int | None],
+    axis_name: AxisName,
+    *,
+    gather_dtype: Any = None,
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
 
@@ -201,6 +212,8 @@ def per_use_objective(
     equations that use their results (:func:`_use`). Its gradient with respect
     to a sharded leaf is the *sum* over the data axis of the local gradients,
     this device's share; :func:`finish_gradients` makes it the mean.
+    ``gather_dtype``: the dtype floating shards are gathered in (mixed
+    precision, :mod:`fdp.step._mixed`); their gradients stay in theirs.
     """
 
     def traced(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
@@ -226,7 +239,7 @@ def per_use_objective(
             and not isinstance(e.invars[0], jex.Literal)
             and e.invars[0] in sharded
         }
-        outs = _interpret(jaxpr, list(closed.consts), flat, gathers)
+        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, gather_dtype)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run

@@ -262,9 +262,9 @@ class Loss:
 class Sharding:
     """What is sharded over the data axis, and when.
 
-    ZeRO's stage and, at stage 3, when parameters are gathered; hybrid
-    (replicated x sharded) meshes and a parameter dtype will be fields of this
-    policy too.
+    ZeRO's stage, at stage 3 when parameters are gathered, and the dtype
+    parameters are gathered and computed in; hybrid (replicated x sharded)
+    meshes will be fields of this policy too.
 
     Attributes:
       zero_stage: ZeRO's stage (DeepSpeed's meaning): ``0`` DDP (everything
@@ -278,6 +278,13 @@ class Sharding:
         ``False``). ``False``: every bucket is gathered at the start of the
         step and kept until the backward pass is done (one gather per bucket,
         stage 1's peak memory), for users who have the memory.
+      param_dtype: FSDP2's ``MixedPrecisionPolicy.param_dtype``: the dtype the
+        loss sees its floating parameters in, and at stage 3 the dtype of the
+        parameters' all-gathers (``jnp.bfloat16``: half the bytes). The
+        parameters and the optimizer state stay in their own dtype (float32
+        master weights) and sharded as the stage says; the gradients flow back
+        to them in that dtype and are reduced as the :class:`Reduction` says.
+        None (default): the parameters' own dtype. Any stage; see docs/zero.md.
 
     Example:
       >>> import fdp
@@ -285,11 +292,15 @@ class Sharding:
       2
       >>> fdp.Sharding(zero_stage=3, reshard_after_forward=False).reshard_after_forward
       False
+      >>> import jax.numpy as jnp
+      >>> fdp.Sharding(zero_stage=3, param_dtype=jnp.bfloat16).param_dtype
+      dtype(bfloat16)
     """
 
     zero_stage: int = 0
     # New in this policy: not a flat keyword of fdp 0.1, so the shim does not take it.
     reshard_after_forward: bool = dataclasses.field(default=True, metadata={"new": True})
+    param_dtype: Any = dataclasses.field(default=None, metadata={"new": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
@@ -297,6 +308,7 @@ class Sharding:
             raise TypeError(
                 f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}."
             )
+        object.__setattr__(self, "param_dtype", _floating(self.param_dtype, "param_dtype"))
 
 
 Policy = Reduction | Accumulation | Loss | Sharding
