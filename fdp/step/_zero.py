@@ -2,7 +2,9 @@
 
 One rule decides every leaf, from its shape alone: a leaf is split along its
 first dimension that the number of devices ``N`` divides; a leaf with no such
-dimension (a scalar, a bias of 10 on 8 devices) stays whole on every device.
+dimension (a scalar, a bias of 10 on 8 devices) stays whole on every device,
+except in the optimizer state, where a leaf of at least ``N`` elements is kept
+padded with zeros and split (:mod:`fdp.step._padding`).
 Because the rule reads only the shape, a parameter, its gradient and the
 optimizer state that mirrors it (Adam's ``mu`` and ``nu``) are always split the
 same way, whatever the optimizer's state looks like, so the update needs no
@@ -42,7 +44,14 @@ from fdp.bucketing import BucketPlan
 from fdp.collectives._axis import AxisName
 from fdp.data._abstract import is_abstract, placed_like
 from fdp.data._placement import check_axis
-from fdp.step._padding import needs_padding, pad_dim, pad_struct, pad_tree, padding_bytes
+from fdp.step._padding import (
+    needs_padding,
+    pad_dim,
+    pad_struct,
+    pad_tree,
+    padded_shape,
+    padding_bytes,
+)
 
 STAGES = (0, 1, 2, 3)
 
@@ -264,16 +273,27 @@ class HeldBytes:
     padding: int = 0
 
 
-def held_bytes(tree: Any, n: int, *, sharded: bool, pad: bool = False) -> HeldBytes:
+def held_bytes(
+    tree: Any, n: int, *, sharded: bool, pad: bool = False, like: Any = None
+) -> HeldBytes:
     """What one of ``n`` devices holds of ``tree`` (arrays or shape structs).
 
     ``pad``: leaves that no dimension of ``n`` divides are padded and sharded,
-    as the step keeps the optimizer state (:func:`place` with ``pad``).
+    as the step keeps the optimizer state (:func:`place` with ``pad``). ``like``:
+    the parameters, whose shapes tell a padded leaf of ``tree`` (the shape a
+    parameter's padding gives) from one the step never padded.
     """
+    padded_of = {
+        padded_shape(np.shape(p), n): tuple(np.shape(p))
+        for p in jax.tree.leaves(like)
+        if pad_dim(np.shape(p), n) is not None
+    }
     total = per_device = padding = 0
     whole: list[str] = []
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         shape = tuple(np.shape(x))
+        if sharded and pad and shape in padded_of:  # already padded: count it unpadded
+            shape = padded_of[shape]
         nbytes = math.prod(shape) * np.dtype(x.dtype).itemsize
         total += nbytes
         split = sharded and shard_dim(shape, n) is not None
@@ -324,7 +344,10 @@ def memory_table(
     rows = [
         ("parameters (between steps)", held_bytes(params, n, sharded=stage >= 3)),
         ("reduced gradients (in the step)", held_bytes(params, n, sharded=scatter)),
-        ("optimizer state (between steps)", held_bytes(opt_state, n, sharded=stage >= 1, pad=True)),
+        (
+            "optimizer state (between steps)",
+            held_bytes(opt_state, n, sharded=stage >= 1, pad=True, like=params),
+        ),
     ]
     lines = [f"ZeRO stage {stage} over {n} device(s), bytes each device holds:"]
     width = max(len(name) for name, _ in rows)

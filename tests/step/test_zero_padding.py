@@ -19,6 +19,7 @@ from flax.training.train_state import TrainState
 
 import fdp
 from fdp.step._padding import pad_dim, padded_shape
+from fdp.step._zero import memory_table
 
 N = 8
 STEPS = 3
@@ -88,6 +89,12 @@ def test_the_padding_rule():
         None,
     ]
     assert padded_shape((3, 10), N) == (3, 16)
+    # What devices hold reads the same from the optimizer state before and after padding.
+    params = {"k": jax.ShapeDtypeStruct((7, 5), jnp.float32)}
+    padded = {"k": jax.ShapeDtypeStruct((8, 5), jnp.float32)}
+    table = memory_table(1, N, params, {"mu": params})
+    assert table == memory_table(1, N, params, {"mu": padded})
+    assert "optimizer state padding (zeros, in all): 20 B, 2 B per device" in table
     assert padded_shape((1, 1001), N) == (1, 1008)  # the dimension that leaves least per device
 
 
