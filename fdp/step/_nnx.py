@@ -198,6 +198,8 @@ class NNXDataParallelStep(StepRunner):
         """Shards the optimizer state (and at stage 3 the parameters) over the data axis."""
         cfg = self.config
         mesh, axis = cfg.bound_mesh, cfg.axis_name
+        # What describe shows is read before the optimizer state is padded.
+        self._remember_shapes(nnx.state(model, optimizer.wrt), nnx.state(optimizer.opt_state))
         opt_state = place(nnx.state(optimizer.opt_state), mesh, axis, pad=True)
         nnx.update(optimizer.opt_state, opt_state)
         if cfg.zero_stage >= 3:

