@@ -490,7 +490,12 @@ class CheckpointManager:
             out = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(jax.tree.map(_abstract, tree)),
+                    # Optimizer-state leaves padded for another device count (ZeRO):
+                    # orbax pads or cuts their ends; every other shape matched above.
+                    state=ocp.args.StandardRestore(
+                        jax.tree.map(_abstract, tree),
+                        strict=not _ckpt_tree.padded_leaves(tree, saved),
+                    ),
                     data_position=ocp.args.JsonRestore(),
                 ),
             )

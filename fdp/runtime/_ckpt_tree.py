@@ -97,8 +97,44 @@ def _describe(shape_dtype: tuple[tuple[int, ...], np.dtype]) -> str:
     return f"{dtype.name}{list(shape)}"
 
 
+def zero_padding(path: str, template: tuple[int, ...], saved: tuple[int, ...]) -> bool:
+    """Whether two shapes of one leaf differ only as ZeRO's padding makes them differ.
+
+    The step keeps an optimizer-state leaf that no dimension of the number of
+    devices divides padded with zeros at the end of one dimension
+    (``fdp.step._padding``); which dimension, and by how much, depends on the
+    number of devices. A checkpoint of it restores onto another stage or device
+    count by padding or cutting the ends of its dimensions: the leaf's own values
+    sit at the start of each dimension, zeros after them. Only optimizer-state
+    leaves (an ``opt_state`` in the path) of the same rank qualify: parameters
+    are never padded, so a parameter of another shape is still refused (and the
+    optimizer state mirrors the parameters).
+
+    Example:
+      >>> zero_padding("opt_state/0/mu/b", (16,), (10,)), zero_padding("params/b", (16,), (10,))
+      (True, False)
+    """
+    return "opt_state" in path.split("/") and len(template) == len(saved)
+
+
+def padded_leaves(template: Any, saved: Any) -> list[str]:
+    """The paths whose shapes differ by ZeRO padding only (:func:`zero_padding`)."""
+    want, have = _flat(template), _flat(saved)
+    out = []
+    for path in sorted(want.keys() & have.keys()):
+        t, shape = _shape_dtype(want[path]), getattr(have[path], "shape", None)
+        if t is None or shape is None:
+            continue
+        if t[0] != tuple(shape) and zero_padding(path, t[0], tuple(shape)):
+            out.append(path)
+    return out
+
+
 def differences(template: Any, saved: Any) -> list[str]:
-    """The leaves where ``template`` and the saved tree metadata disagree, one line each."""
+    """The leaves where ``template`` and the saved tree metadata disagree, one line each.
+
+    Shapes that differ by ZeRO's padding only (:func:`zero_padding`) agree.
+    """
     want, have = _flat(template), _flat(saved)
     out = []
     for path in sorted(want.keys() | have.keys()):
@@ -114,7 +150,7 @@ def differences(template: Any, saved: Any) -> list[str]:
         if t is None or shape is None or dtype is None:
             continue
         s = (tuple(shape), np.dtype(dtype))
-        if t[0] != s[0]:
+        if t[0] != s[0] and not zero_padding(path, t[0], s[0]):
             out.append(f"{path}: saved {_describe(s)}, template {_describe(t)} (shape differs)")
         elif t[1] != s[1]:
             lossy = "a lossy cast" if np.dtype(t[1]).itemsize < s[1].itemsize else "a cast"

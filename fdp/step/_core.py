@@ -29,6 +29,7 @@ from fdp.step._config import StepConfig
 from fdp.step._hybrid import reduce_hybrid
 from fdp.step._keys import per_device
 from fdp.step._local_grads import LossWeights, Objective, local_gradients
+from fdp.step._mixed import cast_floats, compute_in, master_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
@@ -180,10 +181,16 @@ def reduce_step(
     objective = fold_leading_dims(objective) if plan.folds and plan.folds.folded else objective
     per_use = config.gathers_per_use
     dims = bucket_shard_dims(plan.buckets, k)
+    low, master = config.sharding.param_dtype, params  # mixed precision: fdp.step._mixed
     if per_use:  # gathered inside the forward and again in the backward pass
-        objective = per_use_objective(objective, dims, shard)
+        inner = objective if low is None else compute_in(objective, low)
+        objective = per_use_objective(inner, dims, shard, gather_dtype=low)
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
-        params = gather_params(params, plan.buckets, shard, k)
+        params = gather_params(
+            params if low is None else cast_floats(params, low), plan.buckets, shard, k
+        )
+    elif low is not None:  # whole: cast where the loss reads them
+        objective = compute_in(objective, low)
     out = local_gradients(
         objective,
         vary(params, axis),
@@ -200,11 +207,13 @@ def reduce_step(
         gather_aux=config.gather_aux,
         last_after_loop=config.on_gpu,
     )
+    # Gradients of parameters cast for compute return to the master dtypes.
+    local = out.grads if low is None else master_gradients(out.grads, master)
     if config.hybrid:  # inside each host (in the backward pass, per use), then across hosts
         grads, hook_state = reduce_hybrid(
             config.comm_hook,
             hook_state,
-            out.grads,
+            local,
             plan=plan.buckets,
             dims=dims,
             axis_name=axis,
@@ -217,7 +226,7 @@ def reduce_step(
         grads, hook_state = reduce_with_hook(
             config.hook,
             hook_state,
-            out.grads,
+            local,
             axis_name=axis,
             plan=plan.buckets,
             layout=config.bound_layout,

@@ -196,6 +196,8 @@ class DataParallelStep(Step):
             params = unstacked(state.params) if stacked else state.params
             buckets = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
         self._agree("init", None, state=state)
+        if cfg.zero_stage:  # before the optimizer state is padded (fdp.step._padding)
+            self._remember_shapes(state.params, state.opt_state)
         return prepare_linen_state(cfg, state, buckets)
 
     def abstract_init(self, make_state: Callable[..., Any], *args: Any) -> Any:
@@ -215,6 +217,8 @@ class DataParallelStep(Step):
         """
         abstract = jax.eval_shape(make_state, *args)
         _check_state(abstract)
+        if self.config.zero_stage:
+            self._remember_shapes(abstract.params, abstract.opt_state)
         return linen_layout(self.config, abstract)
 
     def init_sharded(self, make_state: Callable[..., Any], *args: Any) -> Any:

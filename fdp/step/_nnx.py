@@ -286,7 +286,10 @@ class NNXDataParallelStep(Step):
         """Shards the optimizer state (and at stage 3 the parameters) over the data axis."""
         cfg = self.config
         mesh, axis = cfg.bound_mesh, cfg.shard_axis
-        nnx.update(optimizer.opt_state, place(nnx.state(optimizer.opt_state), mesh, axis))
+        # What describe shows is read before the optimizer state is padded.
+        self._remember_shapes(nnx.state(model, optimizer.wrt), nnx.state(optimizer.opt_state))
+        opt_state = place(nnx.state(optimizer.opt_state), mesh, axis, pad=True)
+        nnx.update(optimizer.opt_state, opt_state)
         if cfg.zero_stage >= 3:
             nnx.update(model, place(nnx.state(model, optimizer.wrt), mesh, axis))
 

@@ -55,6 +55,7 @@ from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
 from fdp.hooks._contract import mean_all_reduce
 from fdp.step._local_grads import Objective
+from fdp.step._mixed import low_gather
 from fdp.step._zero import gather
 
 
@@ -148,19 +149,27 @@ def _use(eqn: Any, values: list[Any]) -> list[Any]:
     return run(others, shards)
 
 
-def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]) -> list[Any]:
-    """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used."""
+def _interpret(
+    jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any], low: Any = None
+) -> list[Any]:
+    """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used.
+
+    ``low``: a dtype the floating gathers move (:func:`fdp.step._mixed.low_gather`).
+    """
 
     def rule(eqn: Any, values: list[Any]) -> list[Any]:
         lazy = [isinstance(x, _Lazy) for x in values]
         literal = [isinstance(v, jex.Literal) for v in eqn.invars]
         if id(eqn) in gathers:
             shard = values[0]
-            return [_Lazy((shard,), lambda s, e=eqn: compat.bind_equation(e, list(s))[0])]
+            gather = lambda x, e=eqn: compat.bind_equation(e, [x])[0]  # noqa: E731
+            if low is not None and jnp.issubdtype(shard.dtype, jnp.floating):
+                gather = low_gather(gather, low)
+            return [_Lazy((shard,), lambda s, g=gather: g(s[0]))]
         if not any(lazy):
             return compat.bind_equation(eqn, values)
         if (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
-            return _interpret(inner.jaxpr, list(inner.consts), values, set())
+            return _interpret(inner.jaxpr, list(inner.consts), values, set(), low)
         if all(z or c for z, c in zip(lazy, literal, strict=True)):
             # Parameters (and constants) only, a transpose or a cast: still deferred.
             shards, make = _merge(values)
@@ -180,7 +189,11 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
 
 
 def per_use_objective(
-    objective: Objective, dims: Sequence[int | None], axis_name: AxisName
+    objective: Objective,
+    dims: Sequence[int | None],
+    axis_name: AxisName,
+    *,
+    gather_dtype: Any = None,
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
 
@@ -189,6 +202,8 @@ def per_use_objective(
     equations that use their results (:func:`_use`). Its gradient with respect
     to a sharded leaf is the *sum* over the data axis of the local gradients,
     this device's share; :func:`finish_gradients` makes it the mean.
+    ``gather_dtype``: the dtype floating shards are gathered in (mixed
+    precision, :mod:`fdp.step._mixed`); their gradients stay in theirs.
     """
 
     def traced(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
@@ -214,7 +229,7 @@ def per_use_objective(
             and not isinstance(e.invars[0], jex.Literal)
             and e.invars[0] in sharded
         }
-        outs = _interpret(jaxpr, list(closed.consts), flat, gathers)
+        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, gather_dtype)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run

@@ -266,9 +266,9 @@ class Loss:
 class Sharding:
     """What is sharded over the data axis, and when.
 
-    ZeRO's stage, at stage 3 when parameters are gathered, and on a host x
-    device data axis which of its axes the state is sharded over (a parameter
-    dtype will be a field of this policy too).
+    ZeRO's stage, at stage 3 when parameters are gathered, on a host x
+    device data axis which of its axes the state is sharded over, and the
+    dtype parameters are gathered and computed in.
 
     Attributes:
       zero_stage: ZeRO's stage (DeepSpeed's meaning): ``0`` DDP (everything
@@ -293,6 +293,13 @@ class Sharding:
         stage 3 gathers parameters inside the host only. Needs
         ``zero_stage`` >= 1 and ``axis_name=(outer, inner)``. See
         docs/zero.md.
+      param_dtype: FSDP2's ``MixedPrecisionPolicy.param_dtype``: the dtype the
+        loss sees its floating parameters in, and at stage 3 the dtype of the
+        parameters' all-gathers (``jnp.bfloat16``: half the bytes). The
+        parameters and the optimizer state stay in their own dtype (float32
+        master weights) and sharded as the stage says; the gradients flow back
+        to them in that dtype and are reduced as the :class:`Reduction` says.
+        None (default): the parameters' own dtype. Any stage; see docs/zero.md.
 
     Example:
       >>> import fdp
@@ -307,12 +314,16 @@ class Sharding:
       ...
       ValueError: shard_over='inner' shards ZeRO's state over each host's devices; with
       zero_stage=0 nothing is sharded. Pass zero_stage=1, 2 or 3.
+      >>> import jax.numpy as jnp
+      >>> fdp.Sharding(zero_stage=3, param_dtype=jnp.bfloat16).param_dtype
+      dtype(bfloat16)
     """
 
     zero_stage: int = 0
     # New in this policy: not a flat keyword of fdp 0.1, so the shim does not take it.
     reshard_after_forward: bool = dataclasses.field(default=True, metadata={"new": True})
     shard_over: ShardOver = dataclasses.field(default="all", metadata={"new": True})
+    param_dtype: Any = dataclasses.field(default=None, metadata={"new": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
@@ -327,6 +338,7 @@ class Sharding:
                 "shard_over='inner' shards ZeRO's state over each host's devices; with "
                 "zero_stage=0 nothing is sharded. Pass zero_stage=1, 2 or 3."
             )
+        object.__setattr__(self, "param_dtype", _floating(self.param_dtype, "param_dtype"))
 
 
 Policy = Reduction | Accumulation | Loss | Sharding

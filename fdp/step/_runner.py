@@ -92,8 +92,15 @@ class StepRunner:
         return self._last_plan
 
     def _remember_shapes(self, params: Any, opt_state: Any) -> None:
-        """Keeps the shapes of the parameters and optimizer state for :meth:`memory_table`."""
-        self._held = (shape_structs(params), shape_structs(opt_state))
+        """Keeps the shapes of the parameters and optimizer state for :meth:`memory_table`.
+
+        The first call's, for the same parameters: later calls see the optimizer
+        state padded (:mod:`fdp.step._padding`), which no longer says what was padded.
+        """
+        params = shape_structs(params)
+        same = self._held is not None and _shapes(self._held[0]) == _shapes(params)
+        if not same:
+            self._held = (params, shape_structs(opt_state))
 
     def memory_table(self) -> str | None:
         """What each device holds under ZeRO, as text (None at stage 0 or before a call)."""
@@ -239,3 +246,7 @@ def _deleted(x: Any) -> bool:
     """Whether ``x`` is a ``jax.Array`` whose buffers were deleted (donated)."""
     is_deleted = getattr(x, "is_deleted", None)
     return is_deleted is not None and bool(is_deleted())
+
+
+def _shapes(tree: Any) -> list[tuple[tuple[int, ...], Any]]:
+    return [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(tree)]

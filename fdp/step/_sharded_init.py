@@ -14,10 +14,13 @@ the shardings are read off that description.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def shardings_of(abstract: Any) -> list[Any]:
@@ -39,15 +42,37 @@ class FlatBuild:
     ``jit``'s ``out_shardings`` must match the output's tree structure exactly,
     and a ``TrainState``'s static fields (its ``tx`` closures) are new objects on
     every call, so the shardings are given per leaf and the tree rebuilt after.
+    With ``shardings``, leaves the step keeps padded are padded here (:func:`pad_to`).
     """
 
-    def __init__(self, build: Callable[..., Any]):
+    def __init__(self, build: Callable[..., Any], shardings: Sequence[Any] | None = None):
         self.build = build
+        self.shardings = shardings
         self.treedef: Any = None
 
     def __call__(self, *args: Any) -> list[Any]:
         leaves, self.treedef = jax.tree.flatten(self.build(*args))
+        if self.shardings is not None:
+            leaves = [pad_to(x, s) for x, s in zip(leaves, self.shardings, strict=True)]
         return leaves
+
+
+def pad_to(x: Any, sharding: Any) -> Any:
+    """``x`` padded with zeros so that ``sharding`` splits it evenly (as the step pads).
+
+    A leaf that no dimension of the number of devices divides is kept padded
+    (:mod:`fdp.step._padding`); its sharding names the padded dimension.
+    """
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return x
+    pads = []
+    names_per_dim = tuple(spec) + (None,) * (np.ndim(x) - len(spec))
+    for size, names in zip(np.shape(x), names_per_dim, strict=True):
+        names = () if names is None else (names if isinstance(names, tuple) else (names,))
+        parts = math.prod(sharding.mesh.shape[a] for a in names)
+        pads.append((0, -size % parts))
+    return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
 def jit_build(build: Callable[..., Any], shardings: Sequence[Any]) -> tuple[Any, FlatBuild]:
@@ -56,7 +81,7 @@ def jit_build(build: Callable[..., Any], shardings: Sequence[Any]) -> tuple[Any,
     ``jitted.lower(*args).compile().memory_analysis()`` shows what each device
     holds while it runs.
     """
-    flat = FlatBuild(build)
+    flat = FlatBuild(build, list(shardings))
     return jax.jit(flat, out_shardings=list(shardings)), flat
 
 

@@ -188,7 +188,7 @@ def on_mesh(tree: Any, mesh: Any) -> bool:
 def zero_placed(config: StepConfig, params: Any, opt_state: Any) -> bool:
     """Whether parameters and optimizer state already have their ZeRO shardings (cheap)."""
     mesh, axis = config.bound_mesh, config.shard_axis
-    if not is_placed(opt_state, mesh, axis):
+    if not is_placed(opt_state, mesh, axis, pad=True):
         return False
     return config.zero_stage < 3 or is_placed(params, mesh, axis)
 
@@ -198,7 +198,7 @@ def place_zero(config: StepConfig, params: Any, opt_state: Any) -> tuple[Any, An
     mesh, axis = config.bound_mesh, config.shard_axis
     return (
         place(params, mesh, axis, sharded=config.zero_stage >= 3),
-        place(opt_state, mesh, axis),
+        place(opt_state, mesh, axis, pad=True),
     )
 
 

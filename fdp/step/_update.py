@@ -15,6 +15,7 @@ import jax
 
 from fdp.step._config import StepConfig
 from fdp.step._local_grads import Objective
+from fdp.step._padding import pad_tree, unpad_like
 from fdp.step._plan import StepPlan
 from fdp.step._usage import keep_from_flags, keep_untouched
 from fdp.step._zero import constrain, constrain_replicated
@@ -165,7 +166,9 @@ def sharded_update(
     """ZeRO's update, written on whole arrays: XLA runs it on each device's share.
 
     The optimizer state (and the parameters from stage 3) stay sharded over the
-    data axis; at stages 1 and 2 the new parameters are gathered whole.
+    data axis; at stages 1 and 2 the new parameters are gathered whole. Leaves
+    of the optimizer state kept padded (:mod:`fdp.step._padding`) are updated
+    with parameters and gradients padded the same way, the padding cut after.
 
     Args:
       front: the front end.
@@ -176,14 +179,19 @@ def sharded_update(
       plan: the step plan.
     """
     mesh, axis = config.bound_mesh, config.shard_axis  # the data axis, or a host's devices
+    n = config.num_shards
+    # Parameters and gradients padded as the optimizer state is (fdp.step._padding),
+    # the padding cut off the new parameters after.
+    params = front.params(owner)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     owner = front.with_arrays(
         owner,
-        constrain(front.params(owner), mesh, axis),
+        constrain(pad_tree(params, n), mesh, axis),
         constrain(front.opt_state(owner), mesh, axis),
     )
     keep = None if flags is None else keep_from_flags(plan.usage, flags)
-    owner = update(front, owner, constrain(grads, mesh, axis), keep)
-    params = front.params(owner)
+    owner = update(front, owner, constrain(pad_tree(grads, n), mesh, axis), keep)
+    params = unpad_like(front.params(owner), shapes)
     return front.with_arrays(
         owner,
         constrain(params, mesh, axis)

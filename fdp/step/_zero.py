@@ -2,7 +2,9 @@
 
 One rule decides every leaf, from its shape alone: a leaf is split along its
 first dimension that the number of devices ``N`` divides; a leaf with no such
-dimension (a scalar, a bias of 10 on 8 devices) stays whole on every device.
+dimension (a scalar, a bias of 10 on 8 devices) stays whole on every device,
+except in the optimizer state, where a leaf of at least ``N`` elements is kept
+padded with zeros and split (:mod:`fdp.step._padding`).
 Because the rule reads only the shape, a parameter, its gradient and the
 optimizer state that mirrors it (Adam's ``mu`` and ``nu``) are always split the
 same way, whatever the optimizer's state looks like, so the update needs no
@@ -42,6 +44,7 @@ from fdp.bucketing import BucketPlan
 from fdp.collectives._axis import AxisName
 from fdp.data._abstract import is_abstract, placed_like
 from fdp.data._placement import check_axis
+from fdp.step._padding import needs_padding, pad_dim, pad_struct, pad_tree, padding_bytes
 
 STAGES = (0, 1, 2, 3)
 
@@ -181,9 +184,14 @@ def gather_params(params: Any, plan: BucketPlan, axis_name: AxisName, n: int) ->
     return jax.tree.unflatten(treedef, out)
 
 
-def is_placed(tree: Any, mesh: Mesh, axis_name: AxisName) -> bool:
-    """Whether ``tree``'s first shardable leaf already has its ZeRO sharding (cheap)."""
+def is_placed(tree: Any, mesh: Mesh, axis_name: AxisName, *, pad: bool = False) -> bool:
+    """Whether ``tree``'s first shardable leaf already has its ZeRO sharding (cheap).
+
+    With ``pad``, also whether every leaf :func:`place` pads is padded already.
+    """
     n = check_axis(mesh, axis_name)
+    if pad and needs_padding(tree, n):
+        return False
     for x in jax.tree.leaves(tree):
         d = shard_dim(np.shape(x), n)
         if d is not None:
@@ -196,13 +204,32 @@ def _place_jit(treedef: Any, targets: tuple[NamedSharding, ...]) -> Any:
     return jax.jit(lambda tree: tree, out_shardings=jax.tree.unflatten(treedef, targets))
 
 
-def place(tree: Any, mesh: Mesh, axis_name: AxisName, *, sharded: bool = True) -> Any:
+@functools.lru_cache(maxsize=32)
+def _pad_place_jit(treedef: Any, n: int, targets: tuple[NamedSharding, ...]) -> Any:
+    out = jax.tree.unflatten(treedef, targets)
+    return jax.jit(lambda tree: pad_tree(tree, n), out_shardings=out)
+
+
+def place(
+    tree: Any, mesh: Mesh, axis_name: AxisName, *, sharded: bool = True, pad: bool = False
+) -> Any:
     """``tree`` moved onto its ZeRO shardings (or replicated), outside ``jit``.
 
     A jitted copy, so it works with arrays of several processes and never
     aliases the caller's buffers (a donating step would delete them). An
     abstract ``tree`` (``jax.ShapeDtypeStruct`` leaves) gets its shardings only.
+    With ``pad`` (the optimizer state), leaves that no dimension of the number
+    of devices divides are padded with zeros first (:mod:`fdp.step._padding`),
+    so they are sharded too.
     """
+    n = check_axis(mesh, axis_name)
+    if pad and sharded and needs_padding(tree, n):
+        shapes = jax.tree.map(lambda x: pad_struct(x, n), tree)
+        target = shardings(shapes, mesh, axis_name)
+        if is_abstract(tree):
+            return placed_like(shapes, target)
+        treedef = jax.tree.structure(tree)
+        return _pad_place_jit(treedef, n, tuple(jax.tree.leaves(target)))(tree)
     target = shardings(tree, mesh, axis_name) if sharded else replicated(tree, mesh)
     if is_abstract(tree):  # lowered for a mesh it cannot run on: describe, compute nothing
         return placed_like(tree, target)
@@ -223,30 +250,46 @@ class HeldBytes:
     """Bytes of a pytree: in all, and held by one device under a stage's shardings.
 
     Attributes:
-      total: bytes of the whole arrays.
-      per_device: bytes one device holds.
+      total: bytes of the whole arrays (unpadded).
+      per_device: bytes one device holds, its share of any padding included.
       whole_leaves: key paths of the leaves kept whole on every device (no
-        dimension divisible by the number of devices) when sharded.
+        dimension divisible by the number of devices, and not padded) when
+        sharded.
+      padding: bytes of zeros added in all (over every device) to shard leaves
+        that no dimension of the number of devices divides
+        (:mod:`fdp.step._padding`).
     """
 
     total: int
     per_device: int
     whole_leaves: tuple[str, ...]
+    padding: int = 0
 
 
-def held_bytes(tree: Any, n: int, *, sharded: bool) -> HeldBytes:
-    """What one of ``n`` devices holds of ``tree`` (arrays or shape structs)."""
-    total = per_device = 0
+def held_bytes(tree: Any, n: int, *, sharded: bool, pad: bool = False) -> HeldBytes:
+    """What one of ``n`` devices holds of ``tree`` (arrays or shape structs).
+
+    ``pad``: leaves that no dimension of ``n`` divides are padded and sharded,
+    as the step keeps the optimizer state (:func:`place` with ``pad``). ``tree``
+    is read as unpadded: a leaf padded already counts as a leaf of that shape.
+    """
+    total = per_device = padding = 0
     whole: list[str] = []
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         shape = tuple(np.shape(x))
         nbytes = math.prod(shape) * np.dtype(x.dtype).itemsize
         total += nbytes
         split = sharded and shard_dim(shape, n) is not None
-        per_device += nbytes // n if split else nbytes
-        if sharded and not split and n > 1 and shape:
+        padded = sharded and pad and pad_dim(shape, n) is not None
+        if padded:
+            extra = padding_bytes(shape, x.dtype, n)
+            padding += extra
+            per_device += (nbytes + extra) // n
+        else:
+            per_device += nbytes // n if split else nbytes
+        if sharded and not split and not padded and n > 1 and shape:
             whole.append(jax.tree_util.keystr(path))
-    return HeldBytes(total, per_device, tuple(whole))
+    return HeldBytes(total, per_device, tuple(whole), padding)
 
 
 def memory_table(
@@ -266,13 +309,28 @@ def memory_table(
         parameters (between steps)       268 B of 268 B (1.000)
         reduced gradients (in the step)   44 B of 268 B (0.164)
         optimizer state (between steps)   88 B of 536 B (0.164)
-        kept whole (no dimension divisible by 8): ['b'], ['mu']['b'], ['nu']['b']
+        kept whole (no dimension divisible by 8, not padded): ['b'], ['mu']['b'], ['nu']['b']
+
+      A ``7 x 5`` kernel's optimizer state is padded to ``8 x 5`` and sharded (its
+      parameter, never padded, stays whole):
+
+      >>> params = {"k": jax.ShapeDtypeStruct((7, 5), jnp.float32)}
+      >>> print(memory_table(1, 8, params, {"mu": params}))
+      ZeRO stage 1 over 8 device(s), bytes each device holds:
+        parameters (between steps)       140 B of 140 B (1.000)
+        reduced gradients (in the step)  140 B of 140 B (1.000)
+        optimizer state (between steps)   20 B of 140 B (0.143)
+        kept whole (no dimension divisible by 8, not padded): ['k']
+        optimizer state padding (zeros, in all): 20 B, 2 B per device
     """
     scatter = stage >= 2 if scattered is None else scattered
     rows = [
         ("parameters (between steps)", held_bytes(params, n, sharded=stage >= 3)),
         ("reduced gradients (in the step)", held_bytes(params, n, sharded=scatter)),
-        ("optimizer state (between steps)", held_bytes(opt_state, n, sharded=stage >= 1)),
+        (
+            "optimizer state (between steps)",
+            held_bytes(opt_state, n, sharded=stage >= 1, pad=True),
+        ),
     ]
     lines = [f"ZeRO stage {stage} over {n} device(s), bytes each device holds:"]
     width = max(len(name) for name, _ in rows)
@@ -285,5 +343,13 @@ def memory_table(
         )
     whole = sorted(set(held_bytes(params, n, sharded=True).whole_leaves + rows[2][1].whole_leaves))
     if stage >= 1 and whole:
-        lines.append(f"  kept whole (no dimension divisible by {n}): {', '.join(whole)}")
+        lines.append(
+            f"  kept whole (no dimension divisible by {n}, not padded): {', '.join(whole)}"
+        )
+    padding = rows[2][1].padding
+    if stage >= 1 and padding:
+        lines.append(
+            f"  optimizer state padding (zeros, in all): {padding:,} B, "
+            f"{padding // n:,} B per device"
+        )
     return "\n".join(lines)
