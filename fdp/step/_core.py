@@ -30,6 +30,7 @@ from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
+from fdp.step._scanned import reduced_in_loop
 from fdp.step._usage import untouched_flags
 from fdp.step._zero import bucket_shard_dims, gather_params
 
@@ -89,6 +90,15 @@ def sync_buffers(buffers: Any, mode: Any, axis_name: AxisName) -> Any:
         return broadcast(x, 0, axis_name=axis_name)
 
     return jax.tree.map(leaf, buffers)
+
+
+def _per_device(params: Any, replicated: tuple[int, ...], axis_name: AxisName) -> Any:
+    """``params`` made per-device for ``jax.grad``, but for the leaves ``replicated``."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [x if i in replicated else vary(x, axis_name) for i, x in enumerate(leaves)],
+    )
 
 
 def reduce_metrics(
@@ -182,9 +192,12 @@ def reduce_step(
         objective = per_use_objective(objective, dims, axis)
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(params, plan.buckets, axis, n)
+    in_loop = plan.scanned  # layer stacks: stage 0 reduces them in the backward loop
+    if in_loop:
+        objective = reduced_in_loop(objective, in_loop, axis)
     out = local_gradients(
         objective,
-        vary(params, axis),
+        _per_device(params, in_loop, axis),
         batch,
         buffers,
         axis_name=axis,
@@ -199,6 +212,9 @@ def reduce_step(
     )
     if per_use:  # reduce-scattered in the backward pass already
         grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
+    elif in_loop:  # summed in the backward loop already; the rest all-reduced as usual
+        summed = tuple(0 if i in in_loop else None for i in range(len(dims)))
+        grads = finish_gradients(out.grads, plan.buckets, summed, axis, n)
     else:
         grads, hook_state = reduce_with_hook(
             config.hook,
