@@ -306,6 +306,11 @@ def is_scan(eqn: Any) -> bool:
     return eqn.primitive is _primitive("scan_p")
 
 
+def is_sharding_constraint(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``with_sharding_constraint`` (see :func:`constraint_sharding`)."""
+    return eqn.primitive is _primitive("sharding_constraint_p")
+
+
 def is_dot_general(eqn: Any) -> bool:
     """Whether ``eqn`` is a ``lax.dot_general`` (a matrix product)."""
     return eqn.primitive is _primitive("dot_general_p")
@@ -428,6 +433,23 @@ def scan_parts(eqn: Any) -> ScanParts:
         )
     num_consts, num_carry, length = cast(list[int], numbers)
     return ScanParts(body, num_consts, num_carry, length, params["reverse"], params["unroll"])
+
+
+def constraint_sharding(eqn: Any) -> tuple[tuple[str, ...], str]:
+    """The mesh axis names and the spec of a ``sharding_constraint`` equation's sharding.
+
+    Raises:
+      JaxCompatibilityError: the equation carries no sharding with a mesh.
+    """
+    sharding = eqn.params.get("sharding")
+    names = getattr(getattr(sharding, "mesh", None), "axis_names", None)
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+        raise _broken(
+            "the sharding of a with_sharding_constraint in a jaxpr",
+            f"its 'sharding_constraint' equation has params {sorted(eqn.params)} (expected "
+            "'sharding', a NamedSharding with a mesh); fdp checks the loss's constraints",
+        )
+    return names, str(getattr(sharding, "spec", sharding))
 
 
 def inlinable_call(eqn: Any) -> Any | None:

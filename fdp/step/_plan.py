@@ -13,6 +13,7 @@ import numpy as np
 from fdp.backends import FoldCount, count_in_jaxpr
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.step._config import StepConfig
+from fdp.step._constraints import check_no_data_constraints
 from fdp.step._ready import ready_order_of
 from fdp.step._scanned import scanned_leaves
 from fdp.step._state import hook_is_stateful
@@ -106,6 +107,7 @@ def _prepare(
         *_structs(args),
         axis_env=[(n, int(config.bound_mesh.shape[n])) for n in config.axis_names],
     )
+    check_no_data_constraints(closed.jaxpr, config.axis_names)
     paths = key_paths_of(param_structs)
     usage = usage_of(closed, paths)
     # Points at the user's call of the step: prepare <- the step's __call__ <- user.
