@@ -450,6 +450,21 @@ class StepConfig:
         )
 
     @property
+    def reduces_scanned_in_loop(self) -> bool:
+        """Whether stage 0 reduces a scanned layer stack inside the backward loop.
+
+        :mod:`fdp.step._scanned`: with the plain mean all-reduce (no hook to
+        run), one micro-batch (more would reduce in each) and replication
+        tracking (the reduction is the transpose of a typed cast).
+        """
+        return (
+            self.zero_stage == 0
+            and self.accumulate_steps == 1
+            and self.check_vma
+            and is_mean_reduce_scatter(reduce_scatter_of(self.hook))
+        )
+
+    @property
     def compiler_options(self) -> dict[str, Any] | None:
         """XLA options for the step: DDP's buckets kept apart where XLA would merge them.
 

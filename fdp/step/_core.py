@@ -32,6 +32,7 @@ from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
+from fdp.step._scanned import reduced_in_loop
 from fdp.step._usage import untouched_flags
 from fdp.step._zero import bucket_shard_dims, gather_params
 
@@ -96,6 +97,15 @@ def reduce_leaf(x: Any, axis_name: AxisName) -> jax.Array:
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return mean_over(x, axis_name)
     return sum_over(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
+
+
+def _per_device(params: Any, replicated: tuple[int, ...], axis_name: AxisName) -> Any:
+    """``params`` made per-device for ``jax.grad``, but for the leaves ``replicated``."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [x if i in replicated else vary(x, axis_name) for i, x in enumerate(leaves)],
+    )
 
 
 def reduce_metrics(
@@ -184,9 +194,12 @@ def reduce_step(
         objective = per_use_objective(objective, dims, shard)
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(params, plan.buckets, shard, k)
+    in_loop = plan.scanned  # layer stacks: stage 0 reduces them in the backward loop
+    if in_loop:
+        objective = reduced_in_loop(objective, in_loop, axis)
     out = local_gradients(
         objective,
-        vary(params, axis),
+        _per_device(params, in_loop, axis),
         batch,
         buffers,
         axis_name=axis,
@@ -213,6 +226,9 @@ def reduce_step(
         )
     elif per_use:  # reduce-scattered in the backward pass already
         grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
+    elif in_loop:  # summed in the backward loop already; the rest all-reduced as usual
+        summed = tuple(0 if i in in_loop else None for i in range(len(dims)))
+        grads = finish_gradients(out.grads, plan.buckets, summed, axis, n)
     else:
         grads, hook_state = reduce_with_hook(
             config.hook,
