@@ -179,7 +179,7 @@ def reduce_step(
     per_use = config.gathers_per_use
     dims = bucket_shard_dims(plan.buckets, n)
     if per_use:  # gathered inside the forward and again in the backward pass
-        objective = per_use_objective(objective, dims, axis)
+        objective = per_use_objective(objective, dims, axis, ahead=config.prefetch_uses)
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(params, plan.buckets, axis, n)
     out = local_gradients(

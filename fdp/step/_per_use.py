@@ -23,9 +23,11 @@ the loss's traced program:
   again and differentiates the equation there. The shards' gradient is the
   all-gather's transpose, a reduce-scatter: summed over the data axis, this
   device's share, sent as soon as that layer's backward is done.
-- **Order by data**: the forward gather depends on the activation, the backward
-  one on the cotangent (:func:`_tied`), so neither runs early and XLA cannot
-  merge the two.
+- **Order by data**: the forward gather depends on an activation ``ahead`` uses
+  back (:class:`_Prefetch`: on GPU it may start while those uses compute, and no
+  earlier; on CPU, where collectives are synchronous, its own use's), the
+  backward one on the cotangent
+  (:func:`_tied`), so neither runs early and XLA cannot merge the two.
 
 The price: a second all-gather per leaf (the backward one), and with
 ``accumulate_steps=K`` the gathers and reduce-scatters run in every micro-batch;
@@ -117,37 +119,74 @@ def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
     )
 
 
-def _use(eqn: Any, values: list[Any]) -> list[Any]:
+class _Prefetch:
+    """The activations of the last uses: a forward gather may start ``ahead`` uses early.
+
+    Tied to its own equation's inputs, a gather cannot start before the work just
+    before its use is done, so nothing hides it. Tied instead to an activation
+    of the use ``ahead`` uses back, XLA's scheduler may start it while those
+    uses compute (the next layer's gather during this layer's products).
+    """
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.recent: list[Any] = []
+
+    def anchor(self, others: list[Any]) -> Any:
+        """A scalar of the activation ``ahead`` uses back (or of ``others`` at first)."""
+        token = _token(others)
+        self.recent = [*self.recent, token][-(self.ahead + 1) :]
+        return self.recent[0]
+
+
+def _token(to: Any) -> Any:
+    """One element of the first numeric array of ``to`` (None if it has none)."""
+    x = next(
+        (
+            x
+            for x in jax.tree.leaves(to)
+            if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.number)
+        ),
+        None,
+    )
+    return None if x is None else jax.lax.stop_gradient(jnp.ravel(x)[0])
+
+
+def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     """``eqn`` on ``values``, some lazy: gathered just before it, again in its backward.
 
     A custom VJP whose residuals are the equation's other inputs and the shards,
-    never the gathered parameters: the forward gather waits for the other inputs,
-    the backward one for the cotangent (:func:`_tied`), and the gradient of the
-    shards is the all-gather's transpose, a reduce-scatter.
+    never the gathered parameters: the forward gather waits for an activation a
+    few uses back (:class:`_Prefetch`), the backward one for the cotangent
+    (:func:`_tied`), and the gradient of the shards is the all-gather's
+    transpose, a reduce-scatter.
     """
     shards, make = _merge(values)
     others = [v for v in values if not isinstance(v, _Lazy)]
+    anchor = prefetch.anchor(others)
 
     def apply(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
         return compat.bind_equation(eqn, make(shards, others))
 
     @jax.custom_vjp
-    def run(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
+    def run(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> list[Any]:
         return apply(others, shards)
 
-    def fwd(others: list[Any], shards: tuple[Any, ...]) -> tuple[list[Any], Any]:
-        return apply(others, _tied(shards, others)), (others, shards)
+    def fwd(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> tuple[list[Any], Any]:
+        return apply(others, _tied(shards, anchor)), (others, shards, anchor)
 
-    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
-        others, shards = res
+    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any, Any]:
+        others, shards, anchor = res
         _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, ct)), others, shards)
-        return vjp(ct)
+        return (*vjp(ct), jax.tree.map(jnp.zeros_like, anchor))
 
     run.defvjp(fwd, bwd)
-    return run(others, shards)
+    return run(others, shards, anchor)
 
 
-def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]) -> list[Any]:
+def _interpret(
+    jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any], prefetch: _Prefetch
+) -> list[Any]:
     """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used."""
     env: dict[Any, Any] = {}
 
@@ -170,7 +209,7 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
         elif not any(lazy):
             outs = compat.bind_equation(eqn, values)
         elif (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
-            outs = _interpret(inner.jaxpr, list(inner.consts), values, set())
+            outs = _interpret(inner.jaxpr, list(inner.consts), values, set(), prefetch)
         elif all(z or c for z, c in zip(lazy, literal, strict=True)):
             # Parameters (and constants) only, a transpose or a cast: still deferred.
             shards, make = _merge(values)
@@ -183,7 +222,7 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
                 for k in range(len(eqn.outvars))
             ]
         else:
-            outs = _use(eqn, values)
+            outs = _use(eqn, values, prefetch)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     result = [read(v) for v in jaxpr.outvars]
@@ -192,7 +231,7 @@ def _interpret(jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any]
 
 
 def per_use_objective(
-    objective: Objective, dims: Sequence[int | None], axis_name: AxisName
+    objective: Objective, dims: Sequence[int | None], axis_name: AxisName, *, ahead: int = 0
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
 
@@ -226,7 +265,7 @@ def per_use_objective(
             and not isinstance(e.invars[0], jex.Literal)
             and e.invars[0] in sharded
         }
-        outs = _interpret(jaxpr, list(closed.consts), flat, gathers)
+        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, _Prefetch(ahead))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
