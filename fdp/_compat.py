@@ -324,6 +324,19 @@ def tag_combiner_key(x: jax.Array, key: str) -> jax.Array:
     return cast(jax.Array, set_xla_metadata(x, **{GPU_COMBINER_KEY: key}))
 
 
+GPU_COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+"""XLA:GPU's cap on async collectives in flight at once (1 by default).
+
+An experimental option: a rename is an unknown option, an error when the step
+compiles, and the GPU compile tier's prefetch test compiles a per-use step.
+"""
+
+
+def gpu_collectives_in_flight(n: int) -> dict[str, int]:
+    """XLA:GPU compiler options letting ``n`` async collectives overlap each other."""
+    return {GPU_COLLECTIVES_IN_FLIGHT: n}
+
+
 # -- jaxpr equations (parameter-usage analysis, per-use gathers, fold_dots) -----------------
 
 

@@ -191,7 +191,7 @@ def reduce_step(
     per_use = config.gathers_per_use
     dims = bucket_shard_dims(plan.buckets, k)
     if per_use:  # gathered inside the forward and again in the backward pass
-        objective = per_use_objective(objective, dims, shard)
+        objective = per_use_objective(objective, dims, shard, ahead=config.prefetch_uses)
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(params, plan.buckets, shard, k)
     in_loop = plan.scanned  # layer stacks: stage 0 reduces them in the backward loop

@@ -23,9 +23,11 @@ the loss's traced program:
   again and differentiates the equation there. The shards' gradient is the
   all-gather's transpose, a reduce-scatter: summed over the data axis, this
   device's share, sent as soon as that layer's backward is done.
-- **Order by data**: the forward gather depends on the activation, the backward
-  one on the cotangent (:func:`_tied`), so neither runs early and XLA cannot
-  merge the two.
+- **Order by data**: the forward gather depends on an activation ``ahead`` uses
+  back (:class:`_Prefetch`: on GPU it may start while those uses compute, and no
+  earlier; on CPU, where collectives are synchronous, its own use's), the
+  backward one on the cotangent
+  (:func:`_tied`), so neither runs early and XLA cannot merge the two.
 
 - **Layer stacks** (``nn.scan``/``nnx.scan``: one stacked parameter per leaf,
   used by one ``scan`` equation): the scan is run again with each stacked
@@ -139,34 +141,69 @@ def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
     )
 
 
-def _use(eqn: Any, values: list[Any]) -> list[Any]:
+class _Prefetch:
+    """The activations of the last uses: a forward gather may start ``ahead`` uses early.
+
+    Tied to its own equation's inputs, a gather cannot start before the work just
+    before its use is done, so nothing hides it. Tied instead to an activation
+    of the use ``ahead`` uses back, XLA's scheduler may start it while those
+    uses compute (the next layer's gather during this layer's products).
+    """
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.recent: list[Any] = []
+
+    def anchor(self, others: list[Any]) -> Any:
+        """A scalar of the activation ``ahead`` uses back (or of ``others`` at first)."""
+        token = _token(others)
+        self.recent = [*self.recent, token][-(self.ahead + 1) :]
+        return self.recent[0]
+
+
+def _token(to: Any) -> Any:
+    """One element of the first numeric array of ``to`` (None if it has none)."""
+    x = next(
+        (
+            x
+            for x in jax.tree.leaves(to)
+            if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.number)
+        ),
+        None,
+    )
+    return None if x is None else jax.lax.stop_gradient(jnp.ravel(x)[0])
+
+
+def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     """``eqn`` on ``values``, some lazy: gathered just before it, again in its backward.
 
     A custom VJP whose residuals are the equation's other inputs and the shards,
-    never the gathered parameters: the forward gather waits for the other inputs,
-    the backward one for the cotangent (:func:`_tied`), and the gradient of the
-    shards is the all-gather's transpose, a reduce-scatter.
+    never the gathered parameters: the forward gather waits for an activation a
+    few uses back (:class:`_Prefetch`), the backward one for the cotangent
+    (:func:`_tied`), and the gradient of the shards is the all-gather's
+    transpose, a reduce-scatter.
     """
     shards, make = _merge(values)
     others = [v for v in values if not isinstance(v, _Lazy)]
+    anchor = prefetch.anchor(others)
 
     def apply(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
         return compat.bind_equation(eqn, make(shards, others))
 
     @jax.custom_vjp
-    def run(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
+    def run(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> list[Any]:
         return apply(others, shards)
 
-    def fwd(others: list[Any], shards: tuple[Any, ...]) -> tuple[list[Any], Any]:
-        return apply(others, _tied(shards, others)), (others, shards)
+    def fwd(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> tuple[list[Any], Any]:
+        return apply(others, _tied(shards, anchor)), (others, shards, anchor)
 
-    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
-        others, shards = res
+    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any, Any]:
+        others, shards, anchor = res
         _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, ct)), others, shards)
-        return vjp(ct)
+        return (*vjp(ct), jax.tree.map(jnp.zeros_like, anchor))
 
     run.defvjp(fwd, bwd)
-    return run(others, shards)
+    return run(others, shards, anchor)
 
 
 def _gathered(shard: Any, dim: int, axis_name: AxisName, make: Any = None) -> _Lazy:
@@ -202,7 +239,28 @@ def _layer_shards(
     return moved, lambda x: _gathered(x, split - 1, axis_name)
 
 
-Use = Callable[[Any, list[Any]], list[Any]]
+class Use:
+    """Runs an equation that mixes lazy parameters with other values.
+
+    ``run(eqn, values, prefetch)`` does it (default :func:`_use`: gathered just
+    before, again in the backward pass). It keeps the prefetch state
+    (:class:`_Prefetch`) of one trace: a loop body is another trace, whose
+    activations must not anchor gathers outside it, so it gets its own
+    (:meth:`inside`).
+    """
+
+    def __init__(
+        self, ahead: int = 0, run: Callable[[Any, list[Any], _Prefetch], list[Any]] | None = None
+    ) -> None:
+        self.prefetch = _Prefetch(ahead)
+        self.run = _use if run is None else run
+
+    def __call__(self, eqn: Any, values: list[Any]) -> list[Any]:
+        return self.run(eqn, values, self.prefetch)
+
+    def inside(self) -> Use:
+        """The same, with prefetch state of its own (for a loop body)."""
+        return Use(self.prefetch.ahead, self.run)
 
 
 def _scan(eqn: Any, values: list[Any], use: Use) -> list[Any] | None:
@@ -236,7 +294,9 @@ def _scan(eqn: Any, values: list[Any], use: Use) -> list[Any] | None:
     def body(carry: list[Any], sliced: list[Any]) -> tuple[list[Any], list[Any]]:
         layer = [layers[i][1](x) if i in layers else x for i, x in enumerate(sliced)]
         inner = parts.body
-        outs = _interpret(inner.jaxpr, list(inner.consts), [*consts, *carry, *layer], {}, use)
+        outs = _interpret(
+            inner.jaxpr, list(inner.consts), [*consts, *carry, *layer], {}, use.inside()
+        )
         return outs[: parts.num_carry], outs[parts.num_carry :]
 
     new_carry, ys = jax.lax.scan(
@@ -289,7 +349,7 @@ def _interpret(
 
 
 def per_use_objective(
-    objective: Objective, dims: Sequence[int | None], axis_name: AxisName
+    objective: Objective, dims: Sequence[int | None], axis_name: AxisName, *, ahead: int = 0
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
 
@@ -328,7 +388,7 @@ def per_use_objective(
             and not isinstance(e.invars[0], jex.Literal)
             and e.invars[0] in sharded
         }
-        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, _use)
+        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, Use(ahead))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run

@@ -36,7 +36,7 @@ from fdp import _compat as compat
 from fdp.collectives import vary
 from fdp.collectives._axis import AxisName
 from fdp.step._local_grads import Objective
-from fdp.step._per_use import _interpret, _Lazy, _merge
+from fdp.step._per_use import Use, _interpret, _Lazy, _merge
 
 
 def scanned_leaves(jaxpr: Any, count: int) -> tuple[int, ...]:
@@ -130,7 +130,9 @@ def reduced_in_loop(
             _varied(x, axis_name) if i in chosen else t
             for i, (x, t) in enumerate(zip(leaves, typed, strict=True))
         ]
-        outs = _interpret(closed.jaxpr, list(closed.consts), flat, {}, _made)
+        outs = _interpret(
+            closed.jaxpr, list(closed.consts), flat, {}, Use(run=lambda e, v, _: _made(e, v))
+        )
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run
