@@ -22,7 +22,18 @@ On 8 simulated CPU devices, for each ZeRO stage of ``fdp.train_step`` (Adam/Adam
    temp) of each, all in the same run, and the largest width of the family that
    fits ``--fsdp-budget-gib`` (default 1 GiB) for each.
 
+5. ``--table``: issue 31's table, every row measured the same way in one run: fdp
+   stages 0 and 1, stage 3 kept gathered and gathered per use, and plain-``jit``
+   FSDP, each on the GPT with plain layers and with its blocks under ``nn.scan`` +
+   ``nn.remat``; compiled for 8 simulated CPU devices and, deviceless, for 8 x H100
+   (``--platforms``). Per row: the peak and the collectives' bytes
+   (``fdp.collective_stats``; a loop's collectives counted once) at ``--fsdp-dim``,
+   then the largest width whose peak fits each of ``--table-budgets-gib`` (CPU;
+   the GPU too with ``--gpu-budgets``), then the step time of stage 3 over stage 0
+   on the CPU devices (interleaved rounds, median ratio).
+
     python benchmarks/zero.py --json benchmarks/results/zero.json
+    python benchmarks/zero.py --table --json benchmarks/results/zero_table.json
 """
 
 from __future__ import annotations
@@ -36,9 +47,11 @@ import statistics
 import sys
 import time
 
+import flax.linen as nn
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _models import Block, Transformer
 from _progress import progress
 
 STAGES = (0, 1, 2, 3)
@@ -48,17 +61,45 @@ def setup_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def bench_for(dim: int, depth: int, vocab: int, seq: int = 64):
+def bench_for(dim: int, depth: int, vocab: int, seq: int = 64, scanned: bool = False):
+    """The GPT-style transformer of width ``dim``; ``scanned``: layers under nn.scan + nn.remat."""
     import optax
-    from _models import Bench, Transformer, _tokens
+    from _models import Bench, _tokens
 
-    model = Transformer(vocab=vocab, dim=dim, depth=depth, heads=max(1, dim // 64), seq=seq)
+    cls = ScannedTransformer if scanned else Transformer
+    model = cls(vocab=vocab, dim=dim, depth=depth, heads=max(1, dim // 64), seq=seq)
     return Bench(
-        f"transformer d{dim} x{depth} v{vocab}",
+        f"transformer d{dim} x{depth} v{vocab}" + (" scan+remat" if scanned else ""),
         model,
         _tokens(seq, vocab),
         lambda: optax.adam(1e-3),
     )
+
+
+class _Layer(nn.Module):
+    dim: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(self.dim, self.heads)(x), None
+
+
+class ScannedTransformer(Transformer):
+    """The benchmark transformer with its blocks under ``nn.scan`` of ``nn.remat``."""
+
+    @nn.compact
+    def __call__(self, tokens, train=True):
+        x = nn.Embed(self.vocab, self.dim)(tokens)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (self.seq, self.dim))
+        stack = nn.scan(
+            nn.remat(_Layer),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.depth,
+        )
+        x, _ = stack(self.dim, self.heads)(x, None)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
 def abstract_state(bench, tx):
@@ -215,48 +256,80 @@ def largest_in_budget(budget: int, budget_model: dict) -> dict[int, dict]:
 # -- stage 3's modes against plain jit FSDP (issue 31) ------------------------------------
 
 FSDP_MODES = ("stage 0", "stage 3, kept gathered", "stage 3, gathered per use", "plain jit FSDP")
+TABLE_MODES = (
+    "stage 0",
+    "stage 1",
+    "stage 3, kept gathered",
+    "stage 3, gathered per use",
+    "plain jit FSDP",
+)
+STAGE_OF = {"stage 0": 0, "stage 1": 1, "plain jit FSDP": 3}
 
 
-def fdp_step(bench, mode: str):
+def fdp_step(bench, mode: str, mesh=None):
     """fdp's step for ``mode``; "kept gathered" is ``reshard_after_forward=False``."""
     import fdp
 
     sharding = fdp.Sharding(
-        zero_stage=0 if mode == "stage 0" else 3,
+        zero_stage=STAGE_OF.get(mode, 3),
         reshard_after_forward=mode != "stage 3, kept gathered",
     )
-    step = fdp.train_step(bench.loss_fn, sharding=sharding)
-    return step
+    return fdp.train_step(bench.loss_fn, sharding=sharding, mesh=mesh)
 
 
-def plain_fsdp_memory(bench, abstract, batch_rows: int, mesh) -> dict[str, int]:
-    """Plain ``jit``: parameters and Adam state sharded over 'data' (XLA SPMD), no fdp."""
-    import optax
+def token_batch(mesh, rows: int, seq: int) -> dict:
+    """Abstract token batch sharded over 'data' (nothing placed: works on a GPU mesh too)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    tx = bench.tx()
-    sharded = with_shardings(abstract, 3, mesh)
-    params, opt_state = sharded.params, sharded.opt_state
-    rows = jax.ShapeDtypeStruct(
-        (batch_rows, bench.make_batch(1, 0)["x"].shape[1]),
-        jax.numpy.int32,
-        sharding=NamedSharding(mesh, P("data")),
+    tokens = jax.ShapeDtypeStruct(
+        (rows, seq), jax.numpy.int32, sharding=NamedSharding(mesh, P("data"))
     )
-    batch = {"x": rows, "y": rows}
-    shard = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    return {"x": tokens, "y": tokens}
+
+
+def plain_fsdp_step(bench, donate: bool = True):
+    """Plain ``jit``: parameters and Adam state sharded over 'data' (XLA SPMD), no fdp."""
+    import optax
+
+    tx = bench.tx()
 
     def step(params, opt_state, batch):
         grads = jax.grad(bench.loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    jitted = jax.jit(step, out_shardings=shard, donate_argnums=(0, 1))
-    return compiled_memory_of(jitted.lower(params, opt_state, batch))
+    def jitted(params, opt_state):
+        shard = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+        return jax.jit(step, out_shardings=shard, donate_argnums=(0, 1) if donate else ())
+
+    return jitted
+
+
+def compile_mode(dim: int, mode: str, family: dict, mesh, scanned: bool = False):
+    """``(compiled step, parameter count)`` of ``mode`` on the family member of width ``dim``.
+
+    Compile-only from abstract inputs carrying each mode's shardings, so the same
+    code compiles for simulated CPU devices and for a deviceless GPU mesh.
+    """
+    from _models import param_count
+
+    bench = bench_for(dim, family["depth"], family["vocab"], family["seq"], scanned)
+    abstract = abstract_state(bench, bench.tx())
+    batch = token_batch(mesh, family["per_device"] * mesh.devices.size, family["seq"])
+    state = with_shardings(abstract, STAGE_OF.get(mode, 3), mesh)
+    if mode == "plain jit FSDP":
+        jitted = plain_fsdp_step(bench)(state.params, state.opt_state)
+        lowered = jitted.lower(state.params, state.opt_state, batch)
+    else:
+        lowered = fdp_step(bench, mode, mesh).lower(state, batch)
+    return lowered.compile(), param_count(abstract.params)
 
 
 def compiled_memory_of(lowered) -> dict[str, int]:
-    mem = lowered.compile().memory_analysis()
+    """Compile-only memory per device; ``footprint`` = argument + output - alias + temp."""
+    compiled = lowered.compile() if hasattr(lowered, "compile") else lowered
+    mem = compiled.memory_analysis()
     return {
         "argument": int(mem.argument_size_in_bytes),
         "output": int(mem.output_size_in_bytes),
@@ -271,38 +344,71 @@ def compiled_memory_of(lowered) -> dict[str, int]:
     }
 
 
-def fsdp_memory(dim: int, mode: str, family: dict) -> tuple[dict[str, int], int]:
+def fsdp_memory(
+    dim: int, mode: str, family: dict, mesh=None, scanned: bool = False
+) -> tuple[dict[str, int], int]:
     """(compiled memory, parameter count) of ``mode`` on the family member of width ``dim``."""
-    from _models import param_count
-
     import fdp
 
-    bench = bench_for(dim, family["depth"], family["vocab"], family["seq"])
-    abstract = abstract_state(bench, bench.tx())
-    mesh = fdp.data_mesh()
-    rows = family["per_device"] * len(mesh.devices.flat)
-    if mode == "plain jit FSDP":
-        return plain_fsdp_memory(bench, abstract, rows, mesh), param_count(abstract.params)
-    stage = 0 if mode == "stage 0" else 3
-    batch = fdp.shard_batch(bench.make_batch(rows, 0))
-    step = fdp_step(bench, mode)
-    mem = compiled_memory_of(step.lower(with_shardings(abstract, stage, mesh), batch))
-    return mem, param_count(abstract.params)
+    compiled, params = compile_mode(dim, mode, family, mesh or fdp.data_mesh(), scanned)
+    return compiled_memory_of(compiled), params
+
+
+def largest_widths(
+    measure, budgets: list[int], top: int = 64, known: dict | None = None
+) -> list[dict]:
+    """Per budget, the widest family member (width 64 k, k <= ``top``) whose peak fits.
+
+    ``measure(k)`` -> ``(footprint, params)``, compiled once per k. The peak grows
+    with the width, about quadratically (parameters ~ width squared); each probe
+    is that quadratic's crossing of the budget fitted through the widths compiled
+    so far, kept strictly inside the bracket (the widest that fits, the narrowest
+    that does not), so each budget settles in a few compiles: every answer is a
+    compiled fit and a compiled overflow one step wider.
+    """
+    import numpy as np
+
+    seen: dict[int, tuple[int, int]] = dict(known or {})
+
+    def at(k: int) -> int:
+        if k not in seen:
+            seen[k] = measure(k)
+        return seen[k][0]
+
+    out = []
+    for budget in budgets:
+        if not seen:
+            at(8)
+        while True:
+            fits = [k for k in seen if seen[k][0] <= budget]
+            over = [k for k in seen if seen[k][0] > budget]
+            lo, hi = max(fits, default=0), min(over, default=top + 1)
+            if hi - lo <= 1:
+                break
+            ks = sorted(seen)
+            xs, ys = np.array(ks, float), np.array([seen[k][0] for k in ks], float)
+            deg = min(2, len(ks) - 1)
+            if deg == 0:  # one point: the peak taken as proportional to width squared
+                guess = ks[0] * math.sqrt(budget / ys[0])
+            else:
+                roots = (np.poly1d(np.polyfit(xs, ys, deg)) - budget).roots
+                real = [r.real for r in roots if abs(r.imag) < 1e-9 and r.real > 0]
+                guess = max(real) if real else (lo + hi) / 2
+            at(min(max(math.floor(guess), lo + 1), hi - 1))
+        if lo == 0:
+            out.append({"dim": 0, "params": 0, "footprint_bytes": seen[hi][0]})
+        else:
+            out.append({"dim": 64 * lo, "params": seen[lo][1], "footprint_bytes": seen[lo][0]})
+    return out
 
 
 def largest_width(mode: str, budget: int, family: dict) -> dict:
-    lo, hi, best = 1, 48, None  # width = 64 * k
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        mem, params = fsdp_memory(64 * mid, mode, family)
-        if mem["footprint"] <= budget:
-            best, lo = (
-                {"dim": 64 * mid, "params": params, "footprint_bytes": mem["footprint"]},
-                mid + 1,
-            )
-        else:
-            hi = mid - 1
-    assert best is not None, f"nothing fits {budget} bytes: {mode}"
+    def measure(k: int) -> tuple[int, int]:
+        mem, params = fsdp_memory(64 * k, mode, family)
+        return mem["footprint"], params
+
+    best = largest_widths(measure, [budget], top=48)[0]
+    assert best["dim"], f"nothing fits {budget} bytes: {mode}"
     return best
 
 
@@ -342,6 +448,21 @@ def main() -> None:
     parser.add_argument("--fsdp-budget-gib", type=float, default=1.0)
     parser.add_argument("--only-fsdp", action="store_true", help="run part 4 only")
     parser.add_argument("--skip-fsdp-budget", action="store_true")
+    parser.add_argument("--table", action="store_true", help="issue 31's table only")
+    parser.add_argument("--table-budgets-gib", type=float, nargs="*", default=[1.0, 2.0])
+    parser.add_argument(
+        "--platforms",
+        nargs="+",
+        default=["cpu", "gpu"],
+        choices=["cpu", "gpu"],
+        help="table: compile for simulated CPU devices, 8 x H100 (deviceless), or both",
+    )
+    parser.add_argument(
+        "--gpu-budgets", action="store_true", help="table: search the budgets on GPU too (slow)"
+    )
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--timing-only", action="store_true", help="table: the step times only")
+    parser.add_argument("--timing-dim", type=int, default=256, help="table: width timed")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     setup_devices(args.devices)
@@ -358,6 +479,24 @@ def main() -> None:
         "fdp": fdp.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {n} simulated CPU devices",
     }
+    if args.table:
+
+        def save(table: dict) -> None:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({**results, "table": table}, f, indent=1)
+
+        if args.timing_only:
+            save(
+                {
+                    "timing": time_modes(
+                        args, {"depth": 8, "vocab": 8192, "seq": 256, "per_device": 2}
+                    )
+                }
+            )
+        else:
+            table_part(args, save)
+        return
     results["fsdp"] = fsdp_part(args)
     if args.only_fsdp:
         if args.json:
@@ -425,6 +564,130 @@ def fsdp_part(args) -> dict:
                 f"{mode:<27} width {best['dim']:>5}  {best['params'] / 1e6:>7.1f}M parameters  "
                 f"peak {mib(best['footprint_bytes'])} MiB"
             )
+    return out
+
+
+# -- issue 31's table: every row measured the same way, CPU and GPU compile --------------
+
+
+def table_part(args, save) -> dict:
+    """Issue 31's table: peak at one width, largest model per budget, bytes, step time.
+
+    In phases, each saved (``save(out)``) as it ends, since each compile takes
+    minutes on a loaded machine: every row at ``--fsdp-dim`` on each platform;
+    then each row's largest width per budget (CPU; GPU with ``--gpu-budgets``);
+    then the step times.
+    """
+    import fdp
+
+    family = {"depth": 8, "vocab": 8192, "seq": 256, "per_device": 2}
+    budgets = [int(g * 2**30) for g in args.table_budgets_gib]
+    platforms = {}
+    if "cpu" in args.platforms:
+        platforms["cpu"] = fdp.data_mesh()
+    if "gpu" in args.platforms:
+        from fdp.observe import gpu_mesh
+
+        platforms["gpu"] = gpu_mesh("h100_sxm", args.devices)
+    out: dict = {"family": family, "dim": args.fsdp_dim, "budgets": budgets, "rows": []}
+    print(
+        f"\nIssue 31's table: GPT x{family['depth']} v{family['vocab']} s{family['seq']}, "
+        f"{family['per_device']} sequences per device, Adam, {args.devices} devices, "
+        f"compile-only (peak = argument + output - alias + temp); width {args.fsdp_dim}"
+    )
+    for scanned in (False, True):
+        for mode in TABLE_MODES:
+            row: dict = {"mode": mode, "model": "scan+remat" if scanned else "plain layers"}
+            for name, mesh in platforms.items():
+                start = time.perf_counter()
+                compiled, params = compile_mode(args.fsdp_dim, mode, family, mesh, scanned)
+                stats = fdp.collective_stats(compiled)
+                row[name] = {
+                    "params_at_dim": params,
+                    "compiled": compiled_memory_of(compiled),
+                    "sent_bytes": stats.sent_bytes(),
+                    "collectives": {k: stats.count(k) for k in COLLECTIVE_KINDS},
+                    "collective_bytes": {k: stats.nbytes(k) for k in COLLECTIVE_KINDS},
+                    "seconds": time.perf_counter() - start,
+                }
+            out["rows"].append(row)
+            print_table_row(row, platforms)
+            save(out)
+    if budgets:
+        print(f"\nLargest width (steps of 64) whose peak fits {args.table_budgets_gib} GiB")
+        for row in out["rows"]:
+            for name, mesh in platforms.items():
+                if name == "gpu" and not args.gpu_budgets:
+                    continue
+
+                def measure(k, mode=row["mode"], mesh=mesh, scanned=row["model"] != "plain layers"):
+                    c, p = compile_mode(64 * k, mode, family, mesh, scanned)
+                    return compiled_memory_of(c)["footprint"], p
+
+                first = {
+                    args.fsdp_dim // 64: (
+                        row[name]["compiled"]["footprint"],
+                        row[name]["params_at_dim"],
+                    )
+                }
+                row[name]["largest"] = largest_widths(measure, budgets, known=first)
+                print_table_row(row, {name: mesh})
+                save(out)
+    if not args.skip_timing:
+        out["timing"] = time_modes(args, family)
+        save(out)
+    return out
+
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+
+
+def print_table_row(row: dict, platforms: dict) -> None:
+    cells = [f"{row['mode']:<27}{row['model']:<13}"]
+    for name in platforms:
+        r = row[name]
+        cells.append(f"{name} peak {mib(r['compiled']['footprint']):>8} MiB")
+        for best in r.get("largest", []):
+            cells.append(f"{best['params'] / 1e6:>7.1f}M")
+        cells.append(f"sent {r['sent_bytes'] / 2**20:>7.1f} MiB")
+    print("  ".join(cells), flush=True)
+
+
+def time_modes(args, family: dict) -> dict:
+    """Step time of stage 3 (both modes) over stage 0: interleaved rounds, median ratio."""
+    import fdp
+
+    modes = ("stage 0", "stage 3, gathered per use", "stage 3, kept gathered")
+    bench = bench_for(args.timing_dim, family["depth"], family["vocab"], family["seq"])
+    tx = bench.tx()
+    batch = fdp.shard_batch(bench.make_batch(family["per_device"] * args.devices, 0))
+    steps, states = {}, {}
+    for mode in progress(modes, "compile modes"):
+        steps[mode] = fdp_step(bench, mode)
+        state = fdp.TrainState.create(apply_fn=None, params=bench.init_params(0), tx=tx)
+        states[mode], _ = steps[mode](steps[mode].init(state), batch)  # compile
+    jax.block_until_ready(states)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in progress(range(args.rounds), "rounds"):
+        for mode in modes[r % 3 :] + modes[: r % 3]:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                states[mode], metrics = steps[mode](states[mode], batch)
+                jax.block_until_ready(metrics)
+            times[mode].append((time.perf_counter() - start) / args.steps)
+    out = {"dim": args.timing_dim, "rounds": args.rounds, "steps": args.steps, "modes": {}}
+    print(f"\nstep time, GPT d{args.timing_dim}, {args.rounds} interleaved rounds x {args.steps}")
+    for mode in modes:
+        ratios = [t / t0 for t, t0 in zip(times[mode], times["stage 0"], strict=True)]
+        out["modes"][mode] = {
+            "median_s": statistics.median(times[mode]),
+            "ratio_to_stage_0": statistics.median(ratios),
+            "rounds_s": times[mode],
+        }
+        print(
+            f"{mode:<27} {statistics.median(times[mode]) * 1e3:8.1f} ms  "
+            f"x stage 0 {statistics.median(ratios):.3f}"
+        )
     return out
 
 

@@ -324,6 +324,19 @@ def tag_combiner_key(x: jax.Array, key: str) -> jax.Array:
     return cast(jax.Array, set_xla_metadata(x, **{GPU_COMBINER_KEY: key}))
 
 
+GPU_COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+"""XLA:GPU's cap on async collectives in flight at once (1 by default).
+
+An experimental option: a rename is an unknown option, an error when the step
+compiles, and the GPU compile tier's prefetch test compiles a per-use step.
+"""
+
+
+def gpu_collectives_in_flight(n: int) -> dict[str, int]:
+    """XLA:GPU compiler options letting ``n`` async collectives overlap each other."""
+    return {GPU_COLLECTIVES_IN_FLIGHT: n}
+
+
 # -- jaxpr equations (parameter-usage analysis, per-use gathers, fold_dots) -----------------
 
 
@@ -347,6 +360,16 @@ def is_cond(eqn: Any) -> bool:
 def is_all_gather(eqn: Any) -> bool:
     """Whether ``eqn`` is a ``lax.all_gather``."""
     return eqn.primitive is _primitive("all_gather_p")
+
+
+def is_scan(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``lax.scan`` (its parts: :func:`scan_parts`)."""
+    return eqn.primitive is _primitive("scan_p")
+
+
+def is_sharding_constraint(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``with_sharding_constraint`` (see :func:`constraint_sharding`)."""
+    return eqn.primitive is _primitive("sharding_constraint_p")
 
 
 def is_dot_general(eqn: Any) -> bool:
@@ -429,6 +452,65 @@ def call_body(eqn: Any) -> Any:
         if isinstance(sub, jex.Jaxpr) and len(sub.invars) == len(eqn.invars):
             return sub
     return None
+
+
+class ScanParts(NamedTuple):
+    """What a ``scan`` equation is made of: ``jax.lax.scan``'s arguments, read back.
+
+    The equation's inputs are ``num_consts`` constants, then ``num_carry``
+    carried values, then the scanned-over arrays (``xs``); the body's outputs
+    are the new carry, then the per-iteration outputs (``ys``).
+    """
+
+    body: Any  # ClosedJaxpr
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+def scan_parts(eqn: Any) -> ScanParts:
+    """The body and settings of a ``scan`` equation (fdp's per-layer gathers re-run it).
+
+    Raises:
+      JaxCompatibilityError: the equation's params are not the ones expected.
+    """
+    params = eqn.params
+    body = params.get("jaxpr")
+    numbers = [params.get(k) for k in ("num_consts", "num_carry", "length")]
+    if (
+        not isinstance(body, jex.ClosedJaxpr)
+        or not all(isinstance(x, int) for x in numbers)
+        or not isinstance(params.get("reverse"), bool)
+        or not isinstance(params.get("unroll"), int | bool)
+        or len(body.jaxpr.invars) != len(eqn.invars)
+    ):
+        raise _broken(
+            "a lax.scan in a jaxpr",
+            f"its 'scan' equation has params {sorted(params)} (expected 'jaxpr', a ClosedJaxpr "
+            "taking the equation's inputs, and ints 'num_consts', 'num_carry', 'length', "
+            "'unroll', a bool 'reverse'); fdp's per-layer gathers at ZeRO stage 3 read them",
+        )
+    num_consts, num_carry, length = cast(list[int], numbers)
+    return ScanParts(body, num_consts, num_carry, length, params["reverse"], params["unroll"])
+
+
+def constraint_sharding(eqn: Any) -> tuple[tuple[str, ...], str]:
+    """The mesh axis names and the spec of a ``sharding_constraint`` equation's sharding.
+
+    Raises:
+      JaxCompatibilityError: the equation carries no sharding with a mesh.
+    """
+    sharding = eqn.params.get("sharding")
+    names = getattr(getattr(sharding, "mesh", None), "axis_names", None)
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+        raise _broken(
+            "the sharding of a with_sharding_constraint in a jaxpr",
+            f"its 'sharding_constraint' equation has params {sorted(eqn.params)} (expected "
+            "'sharding', a NamedSharding with a mesh); fdp checks the loss's constraints",
+        )
+    return names, str(getattr(sharding, "spec", sharding))
 
 
 def inlinable_call(eqn: Any) -> Any | None:

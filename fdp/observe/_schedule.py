@@ -49,6 +49,9 @@ class ScheduledCollective:
         its start and its done (0 for a synchronous collective).
       flops_after_start: the share of the program's matrix-product FLOPs issued
         after its start (how much of the step is still to run when it starts).
+      products_in_flight: how many instructions with matrix products (gemm
+        fusions, a loop counted once) the compute stream issues between its
+        start and its done: how far ahead of its use a gather starts.
       seconds: its time alone on the link.
       exposed_seconds: the time the compute stream waited for it.
     """
@@ -62,6 +65,7 @@ class ScheduledCollective:
     seconds: float
     exposed_seconds: float
     flops_after_start: float = 0.0
+    products_in_flight: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +197,9 @@ def read_schedule(program: Any, target: Any) -> Schedule:
 
     collectives: list[ScheduledCollective] = []
     issued_at_start: list[float] = []
-    pending: dict[str, tuple[int, float, float]] = {}  # start name -> (index, end, flops at start)
-    clock = {"t": 0.0, "link": 0.0, "compute": 0.0, "exposed": 0.0, "flops": 0.0}
+    # start name -> (index, end, flops at start, products at start)
+    pending: dict[str, tuple[int, float, float, int]] = {}
+    clock = {"t": 0.0, "link": 0.0, "compute": 0.0, "exposed": 0.0, "flops": 0.0, "products": 0}
 
     def walk(lines: list[str], position: int | None) -> None:
         """Runs ``lines`` on the two streams (``position``: the loop's, inside one)."""
@@ -219,6 +224,7 @@ def read_schedule(program: Any, target: Any) -> Schedule:
             clock["t"] += seconds
             clock["compute"] += seconds
             clock["flops"] += flops
+            clock["products"] += flops > 0
 
     def issue(op: Any, line: str, where: int, is_async: bool, name: str) -> None:
         alone = spec.collective_latency_s + op.sent_bytes / spec.link_bytes_per_s
@@ -226,7 +232,7 @@ def read_schedule(program: Any, target: Any) -> Schedule:
         issued_at_start.append(clock["flops"])
         waited = 0.0
         if is_async:
-            pending[name] = (len(collectives), clock["link"], clock["flops"])
+            pending[name] = (len(collectives), clock["link"], clock["flops"], clock["products"])
         else:  # synchronous: the compute stream waits for it, and for the link before it
             waited = clock["link"] - clock["t"]
             clock["exposed"] += waited
@@ -238,13 +244,14 @@ def read_schedule(program: Any, target: Any) -> Schedule:
         )
 
     def finish(name: str) -> None:
-        index, end, flops_then = pending.pop(name)
+        index, end, flops_then, products_then = pending.pop(name)
         waited = max(0.0, end - clock["t"])
         clock["exposed"] += waited
         clock["t"] = max(clock["t"], end)
         collectives[index] = dataclasses.replace(
             collectives[index],
             flops_in_flight=clock["flops"] - flops_then,
+            products_in_flight=int(clock["products"] - products_then),
             exposed_seconds=waited,
         )
 

@@ -31,6 +31,15 @@ from fdp.step._policies import (
 )
 
 BUFFER_MODES = ("broadcast", "mean", "local")
+PER_USE_IN_FLIGHT = 4
+"""Async collectives XLA:GPU may keep in flight at once when stage 3 gathers per use."""
+PREFETCH_USES = 16
+"""How many uses ahead a forward gather may start on GPU: a transformer block's worth.
+
+A GPT block uses its parameters in 16 equations (two layer norms' scale and bias,
+four products and their biases); XLA:GPU's scheduler places each gather within that
+window, while the uses before it compute (docs/zero.md, Prefetch).
+"""
 LossFn = Callable[..., Any]
 # buffers=fn: fn(buffers, axis_name) -> buffers, DDP's buffer comm hook.
 BufferHook = Callable[[Any, str], Any]
@@ -450,6 +459,33 @@ class StepConfig:
         )
 
     @property
+    def reduces_scanned_in_loop(self) -> bool:
+        """Whether stage 0 reduces a scanned layer stack inside the backward loop.
+
+        :mod:`fdp.step._scanned`: with the plain mean all-reduce (no hook to
+        run), one micro-batch (more would reduce in each) and replication
+        tracking (the reduction is the transpose of a typed cast).
+        """
+        return (
+            self.zero_stage == 0
+            and self.accumulate_steps == 1
+            and self.check_vma
+            and is_mean_reduce_scatter(reduce_scatter_of(self.hook))
+        )
+
+    @property
+    def prefetch_uses(self) -> int:
+        """How many uses ahead stage 3's forward gathers may start (0: at their own use).
+
+        Only on GPU, where collectives are asynchronous and the scheduler keeps at
+        most :data:`PER_USE_IN_FLIGHT` in flight: XLA:CPU's collectives block, so
+        an early gather hides nothing there and its scheduler would hold the
+        gathered parameters from the earliest point allowed (every layer of an
+        8-layer MLP at once, 16 uses ahead).
+        """
+        return PREFETCH_USES if _on_gpu(self._need_bound("prefetch_uses")) else 0
+
+    @property
     def compiler_options(self) -> dict[str, Any] | None:
         """XLA options for the step: DDP's buckets kept apart where XLA would merge them.
 
@@ -463,6 +499,10 @@ class StepConfig:
         XLA's limit of one collective in flight at a time is kept: raising it to 4
         hid more of a 6-layer GPT's communication (0.35 to 0.66) and less of a
         12-layer one's (0.45 to 0.25), compiled for 8 x H100 (docs/gpu.md).
+        Except where stage 3 gathers per use: a leaf's gather is one of many small
+        ones, and with one in flight a gather issued ahead of its use
+        (:attr:`prefetch_uses`) waits for every one before it;
+        ``PER_USE_IN_FLIGHT`` of them may fly at once (docs/zero.md, Prefetch).
         """
         mesh = self._need_bound("compiler_options")
         if mesh.devices.flat[0].platform == "cpu":
@@ -470,9 +510,14 @@ class StepConfig:
         if _on_gpu(mesh):
             kinds = ("all-reduce", "reduce-scatter")
             kinds = (*kinds, "all-gather") if self.zero_stage >= 3 else kinds
-            if self.groups_buckets:
-                return _compat.group_gpu_all_reduces_by_key(kinds)
-            return _compat.keep_gpu_collectives_apart(kinds)
+            options: dict[str, Any] = (
+                _compat.group_gpu_all_reduces_by_key(kinds)
+                if self.groups_buckets
+                else _compat.keep_gpu_collectives_apart(kinds)
+            )
+            if self.gathers_per_use:  # the next uses' gathers fly beside this one's
+                options.update(_compat.gpu_collectives_in_flight(PER_USE_IN_FLIGHT))
+            return options
         return None
 
     @property

@@ -33,6 +33,7 @@ from fdp.step._mixed import cast_floats, compute_in, master_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
+from fdp.step._scanned import reduced_in_loop
 from fdp.step._usage import untouched_flags
 from fdp.step._zero import bucket_shard_dims, gather_params
 
@@ -97,6 +98,15 @@ def reduce_leaf(x: Any, axis_name: AxisName) -> jax.Array:
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return mean_over(x, axis_name)
     return sum_over(x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, axis_name)
+
+
+def _per_device(params: Any, replicated: tuple[int, ...], axis_name: AxisName) -> Any:
+    """``params`` made per-device for ``jax.grad``, but for the leaves ``replicated``."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [x if i in replicated else vary(x, axis_name) for i, x in enumerate(leaves)],
+    )
 
 
 def reduce_metrics(
@@ -184,16 +194,21 @@ def reduce_step(
     low, master = config.sharding.param_dtype, params  # mixed precision: fdp.step._mixed
     if per_use:  # gathered inside the forward and again in the backward pass
         inner = objective if low is None else compute_in(objective, low)
-        objective = per_use_objective(inner, dims, shard, gather_dtype=low)
+        objective = per_use_objective(
+            inner, dims, shard, ahead=config.prefetch_uses, gather_dtype=low
+        )
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(
             params if low is None else cast_floats(params, low), plan.buckets, shard, k
         )
     elif low is not None:  # whole: cast where the loss reads them
         objective = compute_in(objective, low)
+    in_loop = plan.scanned  # layer stacks: stage 0 reduces them in the backward loop
+    if in_loop:
+        objective = reduced_in_loop(objective, in_loop, axis)
     out = local_gradients(
         objective,
-        vary(params, axis),
+        _per_device(params, in_loop, axis),
         batch,
         buffers,
         axis_name=axis,
@@ -222,6 +237,9 @@ def reduce_step(
         )
     elif per_use:  # reduce-scattered in the backward pass already
         grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
+    elif in_loop:  # summed in the backward loop already; the rest all-reduced as usual
+        summed = tuple(0 if i in in_loop else None for i in range(len(dims)))
+        grads = finish_gradients(out.grads, plan.buckets, summed, axis, n)
     else:
         grads, hook_state = reduce_with_hook(
             config.hook,

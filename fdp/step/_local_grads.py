@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fdp.collectives import mean_over, sum_over, vary
+from fdp.collectives import is_varying, mean_over, sum_over, vary
 from fdp.collectives._axis import AxisName
 from fdp.nn._moments import using_example_mask
 from fdp.step._batch import split_mask
@@ -289,9 +289,16 @@ def local_gradients(
         return (acc, carry, loss_acc + loss_part, used), aux
 
     acc0 = zero_sums(leaves, accum_dtype)
-    # The scan carry changes per device: type it device-varying from the start.
-    state0 = vary(
-        (acc0, carry, jnp.zeros((), jnp.float32), jnp.zeros((len(track),), jnp.bool_)), axis_name
+    # The scan carry changes per device: type it device-varying from the start. A
+    # parameter passed replicated (a layer stack reduced in the backward loop,
+    # fdp.step._scanned) has a gradient reduced already: its sum stays replicated.
+    acc0 = [
+        a if is_varying(x, axis_name) is False else vary(a, axis_name)
+        for a, x in zip(acc0, leaves, strict=True)
+    ]
+    state0 = (
+        acc0,
+        *vary((carry, jnp.zeros((), jnp.float32), jnp.zeros((len(track),), jnp.bool_)), axis_name),
     )
     micro_batches = split_micro_batches(batch, k)
     xs = (jnp.arange(k), micro_batches, micro_masks)

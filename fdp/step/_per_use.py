@@ -23,25 +23,38 @@ the loss's traced program:
   again and differentiates the equation there. The shards' gradient is the
   all-gather's transpose, a reduce-scatter: summed over the data axis, this
   device's share, sent as soon as that layer's backward is done.
-- **Order by data**: the forward gather depends on the activation, the backward
-  one on the cotangent (:func:`_tied`), so neither runs early and XLA cannot
-  merge the two.
+- **Order by data**: the forward gather depends on an activation ``ahead`` uses
+  back (:class:`_Prefetch`: on GPU it may start while those uses compute, and no
+  earlier; on CPU, where collectives are synchronous, its own use's), the
+  backward one on the cotangent
+  (:func:`_tied`), so neither runs early and XLA cannot merge the two.
+
+- **Layer stacks** (``nn.scan``/``nnx.scan``: one stacked parameter per leaf,
+  used by one ``scan`` equation): the scan is run again with each stacked
+  parameter's shards as its scanned-over input (:func:`_scan`), so the body
+  gathers one layer per iteration, in the forward loop and again in the
+  backward loop, which reduce-scatters that layer's gradient. A stack split
+  along its layer axis (``L`` divisible by ``N``: device ``k`` holds whole
+  layers) is first re-split by one all-to-all along another dimension, so
+  that each layer is one all-gather away; the gradient goes back by the
+  transpose, another all-to-all.
 
 The price: a second all-gather per leaf (the backward one), and with
 ``accumulate_steps=K`` the gathers and reduce-scatters run in every micro-batch;
 the accumulated gradient is a share, ``1/N`` of stage 0's.
 
-Limits: a layer stack under ``nn.scan``/``nnx.scan`` is one stacked parameter
-used by one ``scan`` equation: gathered whole for the scan, and gathered again
-in its backward pass, where the scan's forward is recomputed. Leaves kept whole
-at stage 3 (no dimension divisible by ``N``) are not gathered; their local
-gradients are all-reduced after the backward pass, bucket by bucket
+Limits: a stack with no other dimension divisible by ``N``, or one that is
+transformed (transposed, cast) before its ``scan``, is gathered whole for the
+scan, and gathered again in its backward pass. Leaves kept whole at stage 3 (no
+dimension divisible by ``N``) are not gathered; their local gradients are
+all-reduced after the backward pass, bucket by bucket
 (:func:`finish_gradients`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -51,6 +64,7 @@ import jax.numpy as jnp
 from fdp import _compat as compat
 from fdp._jaxpr import evaluate
 from fdp.bucketing import BucketPlan
+from fdp.collectives import axis_size
 from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
 from fdp.hooks._contract import mean_all_reduce
@@ -65,11 +79,20 @@ class _Lazy:
     ``shards`` are the shard values it needs and ``make(shards)`` computes it
     (all-gathers included); it is materialised only inside the custom VJP of
     the equation that mixes it with an activation.
+
+    ``layers``, where set, says how a stacked layer parameter of this form is
+    scanned over one layer at a time (:func:`_scan`): ``layers()`` returns the
+    array to scan over and a function making the lazy value of one of its
+    slices, or None where it cannot.
     """
 
-    def __init__(self, shards: tuple[Any, ...], make: Any) -> None:
+    def __init__(self, shards: tuple[Any, ...], make: Any, layers: Layers | None = None) -> None:
         self.shards = shards
         self.make = make
+        self.layers = layers
+
+
+Layers = Callable[[], "tuple[Any, Callable[[Any], _Lazy]] | None"]
 
 
 def _merge(values: list[Any]) -> tuple[tuple[Any, ...], Any]:
@@ -119,57 +142,202 @@ def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
     )
 
 
-def _use(eqn: Any, values: list[Any]) -> list[Any]:
+class _Prefetch:
+    """The activations of the last uses: a forward gather may start ``ahead`` uses early.
+
+    Tied to its own equation's inputs, a gather cannot start before the work just
+    before its use is done, so nothing hides it. Tied instead to an activation
+    of the use ``ahead`` uses back, XLA's scheduler may start it while those
+    uses compute (the next layer's gather during this layer's products).
+    """
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.recent: list[Any] = []
+
+    def anchor(self, others: list[Any]) -> Any:
+        """A scalar of the activation ``ahead`` uses back (or of ``others`` at first)."""
+        token = _token(others)
+        self.recent = [*self.recent, token][-(self.ahead + 1) :]
+        return self.recent[0]
+
+
+def _token(to: Any) -> Any:
+    """One element of the first numeric array of ``to`` (None if it has none)."""
+    x = next(
+        (
+            x
+            for x in jax.tree.leaves(to)
+            if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.number)
+        ),
+        None,
+    )
+    return None if x is None else jax.lax.stop_gradient(jnp.ravel(x)[0])
+
+
+def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     """``eqn`` on ``values``, some lazy: gathered just before it, again in its backward.
 
     A custom VJP whose residuals are the equation's other inputs and the shards,
-    never the gathered parameters: the forward gather waits for the other inputs,
-    the backward one for the cotangent (:func:`_tied`), and the gradient of the
-    shards is the all-gather's transpose, a reduce-scatter.
+    never the gathered parameters: the forward gather waits for an activation a
+    few uses back (:class:`_Prefetch`), the backward one for the cotangent
+    (:func:`_tied`), and the gradient of the shards is the all-gather's
+    transpose, a reduce-scatter.
     """
     shards, make = _merge(values)
     others = [v for v in values if not isinstance(v, _Lazy)]
+    anchor = prefetch.anchor(others)
 
     def apply(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
         return compat.bind_equation(eqn, make(shards, others))
 
     @jax.custom_vjp
-    def run(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
+    def run(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> list[Any]:
         return apply(others, shards)
 
-    def fwd(others: list[Any], shards: tuple[Any, ...]) -> tuple[list[Any], Any]:
-        return apply(others, _tied(shards, others)), (others, shards)
+    def fwd(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> tuple[list[Any], Any]:
+        return apply(others, _tied(shards, anchor)), (others, shards, anchor)
 
-    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any]:
-        others, shards = res
+    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any, Any]:
+        others, shards, anchor = res
         _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, ct)), others, shards)
-        return vjp(ct)
+        return (*vjp(ct), jax.tree.map(jnp.zeros_like, anchor))
 
     run.defvjp(fwd, bwd)
-    return run(others, shards)
+    return run(others, shards, anchor)
+
+
+def _gathered(
+    shard: Any, dim: int, axis_name: AxisName, make: Any = None, low: Any = None
+) -> _Lazy:
+    """``shard`` all-gathered along ``dim``, lazily; ``make`` does it (default: all_gather).
+
+    ``low``: a dtype a floating shard is gathered in (:func:`fdp.step._mixed.low_gather`).
+    """
+
+    def gather_one(s: tuple[Any, ...]) -> Any:
+        return jax.lax.all_gather(s[0], axis_name, axis=dim, tiled=True)
+
+    whole = make or gather_one
+    if low is not None and jnp.issubdtype(shard.dtype, jnp.floating):
+        cast = low_gather(lambda x, w=whole: w((x,)), low)
+        whole = lambda s: cast(s[0])  # noqa: E731
+    return _Lazy((shard,), whole, lambda: _layer_shards(shard, dim, axis_name, low))
+
+
+def _layer_shards(
+    shard: Any, dim: int, axis_name: AxisName, low: Any = None
+) -> tuple[Any, Callable[[Any], _Lazy]] | None:
+    """A stacked parameter's shards with a share of every layer, and one layer's lazy value.
+
+    A leaf split along a dimension other than the layer axis (0) already holds
+    a share of every layer: layer ``i``'s share is ``shard[i]``, gathered along
+    ``dim - 1``. A leaf split along the layer axis holds whole layers (device
+    ``k`` the ``k``-th block of them); one all-to-all re-splits it along its
+    first other dimension that the axis size divides, so that each layer is
+    again one all-gather away. Its transpose, an all-to-all back, returns the
+    gradient to the leaf's own layout after the backward loop. None where no
+    dimension qualifies (the stack is then gathered whole, before the loop).
+    """
+    if dim > 0:
+        return shard, lambda x: _gathered(x, dim - 1, axis_name, low=low)
+    n = axis_size(axis_name)
+    split = next((d for d in range(1, shard.ndim) if shard.shape[d] % n == 0), None)
+    if split is None:
+        return None
+    moved = jax.lax.all_to_all(shard, axis_name, split, 0, tiled=True)
+    return moved, lambda x: _gathered(x, split - 1, axis_name, low=low)
+
+
+class Use:
+    """Runs an equation that mixes lazy parameters with other values.
+
+    ``run(eqn, values, prefetch)`` does it (default :func:`_use`: gathered just
+    before, again in the backward pass). It keeps the prefetch state
+    (:class:`_Prefetch`) of one trace: a loop body is another trace, whose
+    activations must not anchor gathers outside it, so it gets its own
+    (:meth:`inside`).
+    """
+
+    def __init__(
+        self, ahead: int = 0, run: Callable[[Any, list[Any], _Prefetch], list[Any]] | None = None
+    ) -> None:
+        self.prefetch = _Prefetch(ahead)
+        self.run = _use if run is None else run
+
+    def __call__(self, eqn: Any, values: list[Any]) -> list[Any]:
+        return self.run(eqn, values, self.prefetch)
+
+    def inside(self) -> Use:
+        """The same, with prefetch state of its own (for a loop body)."""
+        return Use(self.prefetch.ahead, self.run)
+
+
+def _scan(eqn: Any, values: list[Any], use: Use) -> list[Any] | None:
+    """A ``scan`` over stacked parameters, each layer made inside the loop body.
+
+    The scan is run again with each lazy scanned-over input (a layer stack)
+    replaced by what its :attr:`_Lazy.layers` gives (at stage 3, its per-layer
+    shards): the body sees layer ``i`` as a lazy value, so its uses in the body
+    (``use``: :func:`_use` at stage 3) gather that one layer, in the forward
+    loop and again in the backward loop, whose reduce-scatter sends that
+    layer's gradient share as the loop produces it. Lazy constants (parameters
+    broadcast to every iteration) stay lazy in the body: made per use, in every
+    iteration. None where this does not apply (no stacked parameter, one
+    carried through the loop, or one with no per-layer form): the caller makes
+    what the scan needs before it.
+    """
+    parts = compat.scan_parts(eqn)
+    split = parts.num_consts + parts.num_carry
+    consts, carry, xs = values[: parts.num_consts], values[parts.num_consts : split], values[split:]
+    stacked = [i for i, x in enumerate(xs) if isinstance(x, _Lazy)]
+    if not stacked or any(isinstance(x, _Lazy) for x in carry):
+        return None
+    layers: dict[int, tuple[Any, Callable[[Any], _Lazy]]] = {}
+    for i in stacked:
+        layer = xs[i].layers() if xs[i].layers is not None else None
+        if layer is None:
+            return None
+        layers[i] = layer
+    loop_xs = [layers[i][0] if i in layers else x for i, x in enumerate(xs)]
+
+    def body(carry: list[Any], sliced: list[Any]) -> tuple[list[Any], list[Any]]:
+        layer = [layers[i][1](x) if i in layers else x for i, x in enumerate(sliced)]
+        inner = parts.body
+        outs = _interpret(
+            inner.jaxpr, list(inner.consts), [*consts, *carry, *layer], {}, use.inside()
+        )
+        return outs[: parts.num_carry], outs[parts.num_carry :]
+
+    new_carry, ys = jax.lax.scan(
+        body, carry, loop_xs, length=parts.length, reverse=parts.reverse, unroll=parts.unroll
+    )
+    return [*new_carry, *ys]
 
 
 def _interpret(
-    jaxpr: Any, consts: list[Any], args: list[Any], gathers: set[Any], low: Any = None
+    jaxpr: Any,
+    consts: list[Any],
+    args: list[Any],
+    deferred: dict[int, Callable[[Any], _Lazy]],
+    use: Use,
 ) -> list[Any]:
-    """Runs ``jaxpr`` with the outputs of the ``gathers`` equations kept lazy until used.
+    """Runs ``jaxpr`` with the outputs of the ``deferred`` equations kept lazy until used.
 
-    ``low``: a dtype the floating gathers move (:func:`fdp.step._mixed.low_gather`).
+    ``deferred`` maps an equation (by ``id``) to the lazy value of its output,
+    made from its first input (at stage 3: the all-gathers of the shards).
+    ``use(eqn, values)`` runs an equation that mixes lazy values with others.
     """
 
     def rule(eqn: Any, values: list[Any]) -> list[Any]:
         lazy = [isinstance(x, _Lazy) for x in values]
         literal = [isinstance(v, jex.Literal) for v in eqn.invars]
-        if id(eqn) in gathers:
-            shard = values[0]
-            gather = lambda x, e=eqn: compat.bind_equation(e, [x])[0]  # noqa: E731
-            if low is not None and jnp.issubdtype(shard.dtype, jnp.floating):
-                gather = low_gather(gather, low)
-            return [_Lazy((shard,), lambda s, g=gather: g(s[0]))]
+        if id(eqn) in deferred:
+            return [deferred[id(eqn)](values[0])]
         if not any(lazy):
             return compat.bind_equation(eqn, values)
         if (inner := compat.inlinable_call(eqn)) is not None:  # a jit inside: its own uses
-            return _interpret(inner.jaxpr, list(inner.consts), values, set(), low)
+            return _interpret(inner.jaxpr, list(inner.consts), values, {}, use)
         if all(z or c for z, c in zip(lazy, literal, strict=True)):
             # Parameters (and constants) only, a transpose or a cast: still deferred.
             shards, make = _merge(values)
@@ -181,7 +349,9 @@ def _interpret(
                 )
                 for k in range(len(eqn.outvars))
             ]
-        return _use(eqn, values)
+        if compat.is_scan(eqn) and (layered := _scan(eqn, values, use)) is not None:
+            return layered  # a layer stack: made one layer at a time, inside the loop
+        return use(eqn, values)
 
     result = evaluate(jaxpr, consts, args, rule)
     # A parameter returned as it is (in aux): made whole here.
@@ -193,6 +363,7 @@ def per_use_objective(
     dims: Sequence[int | None],
     axis_name: AxisName,
     *,
+    ahead: int = 0,
     gather_dtype: Any = None,
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
@@ -220,16 +391,22 @@ def per_use_objective(
         closed, shape = jax.make_jaxpr(traced, return_shape=True)(*args)
         jaxpr = closed.jaxpr
         flat = jax.tree.leaves(args)
-        sharded = {v for v, d in zip(jaxpr.invars, dims, strict=False) if d is not None}
+        sharded = {v: d for v, d in zip(jaxpr.invars, dims, strict=False) if d is not None}
         # The gathers `traced` made: all-gathers of the sharded leaves themselves.
         gathers = {
-            id(e)
+            id(e): functools.partial(
+                _gathered,
+                dim=sharded[e.invars[0]],
+                axis_name=axis_name,
+                make=lambda s, e=e: compat.bind_equation(e, list(s))[0],
+                low=gather_dtype,
+            )
             for e in jaxpr.eqns
             if compat.is_all_gather(e)
             and not isinstance(e.invars[0], jex.Literal)
             and e.invars[0] in sharded
         }
-        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, gather_dtype)
+        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, Use(ahead))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run

@@ -13,7 +13,9 @@ import numpy as np
 from fdp.backends import FoldCount, count_in_jaxpr
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.step._config import StepConfig
+from fdp.step._constraints import check_no_data_constraints
 from fdp.step._ready import ready_order_of
+from fdp.step._scanned import scanned_leaves
 from fdp.step._state import hook_is_stateful
 from fdp.step._usage import ParamUsage, key_paths_of, trace_loss, usage_of, warn_if_unused
 
@@ -33,15 +35,19 @@ class StepPlan:
       rows: the global batch size the step runs on (padding included).
       folds: what ``fold_dots`` does with the loss's dense products (None when
         it is off), read from the loss's jaxpr.
+      scanned: parameter leaves a ``scan`` iterates over (layer stacks), whose
+        gradients stage 0 reduces inside the backward loop (:mod:`fdp.step._scanned`);
+        empty where the config does not.
     """
 
     buckets: BucketPlan
     usage: ParamUsage
     rows: int
     folds: FoldCount | None = None
+    scanned: tuple[int, ...] = ()
 
     def _key(self) -> tuple:
-        return (self.buckets, self.usage, self.rows, self.folds)
+        return (self.buckets, self.usage, self.rows, self.folds, self.scanned)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, StepPlan) and self._key() == other._key())
@@ -101,6 +107,7 @@ def _prepare(
         *_structs(args),
         axis_env=[(n, int(config.bound_mesh.shape[n])) for n in config.axis_names],
     )
+    check_no_data_constraints(closed.jaxpr, config.axis_names)
     paths = key_paths_of(param_structs)
     usage = usage_of(closed, paths)
     # Points at the user's call of the step: prepare <- the step's __call__ <- user.
@@ -116,4 +123,5 @@ def _prepare(
         order = ready_order_of(closed.jaxpr, len(paths))
         buckets = plan_for(param_structs, *caps, exclude, order=order)
     folds = count_in_jaxpr(closed.jaxpr) if config.fold_dots else None
-    return StepPlan(buckets, usage, rows, folds)
+    scanned = scanned_leaves(closed.jaxpr, len(paths)) if config.reduces_scanned_in_loop else ()
+    return StepPlan(buckets, usage, rows, folds, scanned)

@@ -135,16 +135,20 @@ def test_targets_and_meshes_are_checked():
 class Decoder(nn.Module):
     """A 6-layer GPT-style decoder (benchmarks/gpu_programs.py's, narrower)."""
 
+    depth: int = 6
+    width: int = 512
+    vocab: int = 8192
+
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(8192, 512)(tokens)
+        x = nn.Embed(self.vocab, self.width)(tokens)
         mask = nn.make_causal_mask(tokens)
-        for _ in range(6):
+        for _ in range(self.depth):
             h = nn.LayerNorm()(x)
             x = x + nn.MultiHeadDotProductAttention(num_heads=8)(h, h, mask=mask)
             h = nn.LayerNorm()(x)
-            x = x + nn.Dense(512)(nn.gelu(nn.Dense(2048)(h)))
-        return nn.Dense(8192)(nn.LayerNorm()(x))
+            x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
 def test_buckets_leave_in_ready_order_while_most_of_the_backward_pass_is_to_run(gpu_mesh):
@@ -226,3 +230,29 @@ def test_fdp_describe_reads_the_gpu_program(gpu_mesh, capsys):
     assert "memory per GPU: temp" in out
     assert main(["describe", "--model", "mypkg:params", "--gpu", "h100_sxm"]) == 2
     assert "compiles a built-in model's step" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(1200)  # a loaded 2-core machine took over 300 s to compile it
+def test_stage_3_per_use_starts_gathers_while_earlier_layers_compute(gpu_mesh):
+    model = Decoder(depth=3, width=256, vocab=1024)  # small: the per-use step compiles slowly
+
+    def loss(params, batch):
+        logits = jnp.asarray(model.apply({"params": params}, batch["x"]))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    def make():
+        params = model.init(jax.random.key(0), jnp.zeros((1, 128), jnp.int32))["params"]
+        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+    step = fdp.train_step(loss, mesh=gpu_mesh, sharding=fdp.Sharding(zero_stage=3))
+    state = step.abstract_init(make)
+    tokens = jax.ShapeDtypeStruct((16, 128), jnp.int32, sharding=NamedSharding(gpu_mesh, P("data")))
+    compiled = step.lower(state, {"x": tokens, "y": tokens}).compile()
+    gathers = [c for c in read_schedule(compiled, "h100_sxm").collectives if c.kind == "all-gather"]
+    ahead = [c.products_in_flight for c in gathers]
+    # Tied to its own use's inputs, a gather had nothing to hide behind: 9 of the 200
+    # gathers of benchmarks/zero_prefetch.py's GPT had a gemm in flight; with prefetch
+    # (16 uses ahead, 4 collectives in flight), 114 (101 of 134 forward ones), up to 5
+    # gemms ahead of their use.
+    assert sum(n > 0 for n in ahead) > len(ahead) / 3, sorted(ahead)
+    assert max(ahead) >= 3, sorted(ahead)

@@ -185,7 +185,7 @@ class Scanned(nn.Module):
         return nn.Dense(10)(x)
 
 
-def test_a_scanned_layer_stack_is_gathered_whole_and_ends_where_stage_0_does():
+def test_a_scanned_layer_stack_ends_where_stage_0_does():  # per layer: test_per_layer.py
     params = Scanned().init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))["params"]
     loss_fn = cross_entropy(Scanned().apply)
     data = batches()

@@ -1,0 +1,67 @@
+"""Sharding constraints on the data axis inside the loss: refused with the fix, before tracing.
+
+fdp's step runs the loss on each device's share of the batch inside
+``jax.shard_map`` over the data axes, where those axes are manual. A model that
+annotates its activations the MaxText way,
+``jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P('data')))``, then
+fails deep in JAX's tracing (``Axes mentioned in manual_axis_type field ...
+should be of type Manual``), with an error that does not say why. Inside the
+step the batch is already split over the data axis, which is what such a
+constraint asks for; fdp cannot drop it from the user's program, so it refuses
+it up front, from the loss's traced program, naming the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax.extend.core as jex
+
+from fdp import _compat as compat
+
+
+def _equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` and of its sub-programs (scan, remat, cond, jit...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jex.jaxprs_in_params(eqn.params):
+            yield from _equations(sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub)
+
+
+def check_no_data_constraints(jaxpr: Any, axis_names: Sequence[str]) -> None:
+    """Raises if the loss's ``jaxpr`` constrains a sharding on a mesh with a data axis.
+
+    Raises:
+      ValueError: a ``with_sharding_constraint`` whose mesh has one of ``axis_names``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.sharding.Mesh(jax.devices(), ("data",))  # Auto axes, as MaxText's
+      >>> def loss(w, x):
+      ...     h = jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P("data")))
+      ...     return h.sum()
+      >>> closed = jax.make_jaxpr(loss)(jnp.ones((4, 4)), jnp.ones((8, 4)))
+      >>> try:
+      ...     check_no_data_constraints(closed.jaxpr, ("data",))
+      ... except ValueError as err:
+      ...     print(str(err)[:72])
+      the loss calls jax.lax.with_sharding_constraint on a mesh with the data
+    """
+    for eqn in _equations(jaxpr):
+        if not compat.is_sharding_constraint(eqn):
+            continue
+        names, spec = compat.constraint_sharding(eqn)
+        data = [n for n in names if n in axis_names]
+        if data:
+            raise ValueError(
+                f"the loss calls jax.lax.with_sharding_constraint on a mesh with the data "
+                f"axis {data[0]!r} (spec {spec}); fdp's step runs the loss on each device's "
+                f"share of the batch inside jax.shard_map over {tuple(axis_names)}, where "
+                "JAX refuses such a constraint ('Axes mentioned in manual_axis_type ... "
+                f"should be of type Manual'). The batch is already split over {data[0]!r} "
+                "there, as the constraint asks: leave the constraint out when the model "
+                "runs under fdp (for example behind a flag of the model), or train it "
+                "with plain jax.jit and these constraints instead of fdp's step."
+            )
