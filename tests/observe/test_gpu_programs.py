@@ -256,3 +256,46 @@ def test_stage_3_per_use_starts_gathers_while_earlier_layers_compute(gpu_mesh):
     # gemms ahead of their use.
     assert sum(n > 0 for n in ahead) > len(ahead) / 3, sorted(ahead)
     assert max(ahead) >= 3, sorted(ahead)
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(x.shape[-1])(x)), None
+
+
+class _Stack(nn.Module):
+    """Four layers under ``nn.scan(nn.remat(...))`` between two plain ones."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64)(x)
+        layers = nn.scan(
+            nn.remat(_Layer), variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+        )
+        return nn.Dense(8)(layers()(x, None)[0])
+
+
+@pytest.mark.timeout(1200)
+def test_stage_3_gathers_a_scanned_stack_per_layer_with_prefetch_on(gpu_mesh):
+    # Prefetch anchors a gather to an activation some uses back; the loop body is
+    # another trace, so its activations anchor only the body's gathers (an anchor
+    # leaking out of the body was an escaped tracer).
+    model = _Stack()
+
+    def loss(params, batch):
+        return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    def make():
+        params = model.init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+    step = fdp.train_step(loss, mesh=gpu_mesh, sharding=fdp.Sharding(zero_stage=3))
+    rows = NamedSharding(gpu_mesh, P("data"))
+    batch = {
+        "x": jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=rows),
+        "y": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=rows),
+    }
+    compiled = step.lower(step.abstract_init(make), batch).compile()
+    assert step.config.prefetch_uses > 0
+    assert loop_collectives(compiled).count("all-gather") >= 2  # forward and backward loops
