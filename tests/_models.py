@@ -1,4 +1,4 @@
-"""Small Flax models and a single-device reference trainer shared by the tests."""
+"""Small Flax models, a single-device reference trainer and step helpers shared by the tests."""
 
 import flax.linen as nn
 import jax
@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training.train_state import TrainState
+
+import fdp
 
 
 class MLP(nn.Module):
@@ -89,3 +91,20 @@ def train_tiny_buckets(model, params, tx, batches, *, hook, layout, cap_mb=0.004
     for batch in batches:
         state, _ = step(state, batch)
     return state, step
+
+
+def train_on(step, state, data, mesh=None):
+    """``state`` after one ``step`` per batch of ``data``; the last step's metrics too."""
+    for batch in data:
+        state, metrics = step(state, fdp.shard_batch(batch, mesh))
+    return state, metrics
+
+
+def device0_bytes(tree):
+    """Bytes device 0 holds of a tree of global arrays (from its addressable shards)."""
+    return sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for s in x.addressable_shards
+        if s.device == jax.devices()[0]
+    )

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import MLP, cross_entropy, make_data, reference_steps
+from _models import MLP, cross_entropy, device0_bytes, make_data, reference_steps, train_on
 from flax import nnx
 from flax.training.train_state import TrainState
 
@@ -53,22 +53,6 @@ def batches(num=STEPS, rows=32, seed=1):
     return [{k: v[i * rows : (i + 1) * rows] for k, v in data.items()} for i in range(num)]
 
 
-def train(step, state, data, mesh=None):
-    for batch in data:
-        state, metrics = step(state, fdp.shard_batch(batch, mesh))
-    return state, metrics
-
-
-def per_device_bytes(tree):
-    """Bytes device 0 holds of a tree of global arrays (from its addressable shards)."""
-    return sum(
-        s.data.nbytes
-        for x in jax.tree.leaves(tree)
-        for s in x.addressable_shards
-        if s.device == jax.devices()[0]
-    )
-
-
 def nbytes(tree):
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
@@ -80,7 +64,7 @@ def test_every_stage_ends_where_one_device_on_the_whole_batch_does(opt):
     expected, losses = reference_steps(mlp_state(OPTIMIZERS[opt]()), data, loss_fn)
     for stage in (1, 2, 3):
         step = fdp.train_step(loss_fn, zero_stage=stage, layout="flat" if stage == 2 else "leaves")
-        state, metrics = train(step, fdp.replicate(mlp_state(OPTIMIZERS[opt]())), data)
+        state, metrics = train_on(step, fdp.replicate(mlp_state(OPTIMIZERS[opt]())), data)
         chex.assert_trees_all_close(
             jax.device_get(state.params), jax.device_get(expected.params), atol=2e-6, rtol=1e-5
         )
@@ -93,8 +77,8 @@ def test_what_each_device_holds_at_each_stage():
     full = None
     for stage in (0, 1, 2, 3):
         step = fdp.train_step(cross_entropy(MLP().apply), zero_stage=stage)
-        state, _ = train(step, fdp.replicate(mlp_state(optax.adam(1e-2))), data)
-        held = per_device_bytes(state.params), per_device_bytes(state.opt_state)
+        state, _ = train_on(step, fdp.replicate(mlp_state(optax.adam(1e-2))), data)
+        held = device0_bytes(state.params), device0_bytes(state.opt_state)
         if stage == 0:
             full = held
             assert held == (nbytes(state.params), nbytes(state.opt_state))
@@ -192,11 +176,11 @@ def bn_loss(params, batch, batch_stats):
 def test_accumulation_unused_parameters_and_buffers_compose_with_stage_2_and_3():
     data = batches(2)
     settings = dict(accumulate_steps=2, find_unused_parameters=True, buffers="mean")
-    ref, _ = train(fdp.train_step(bn_loss, **settings), fdp.replicate(bn_state()), data)
+    ref, _ = train_on(fdp.train_step(bn_loss, **settings), fdp.replicate(bn_state()), data)
     for stage in (2, 3):  # stage 3 kept gathered; per-use gathers: test_per_use.py
         sharding = fdp.Sharding(zero_stage=stage, reshard_after_forward=False)
         step = fdp.train_step(bn_loss, sharding=sharding, **settings)
-        state, _ = train(step, fdp.replicate(bn_state()), data)
+        state, _ = train_on(step, fdp.replicate(bn_state()), data)
         chex.assert_trees_all_close(
             jax.device_get((state.params, state.batch_stats)),
             jax.device_get((ref.params, ref.batch_stats)),
@@ -216,11 +200,11 @@ def test_bf16_compression_of_the_reduce_scatter_and_powersgd_at_stage_1():
     data = batches(1)
     loss_fn = cross_entropy(MLP().apply)
     for hook, stage in (("bf16_compress", 2), ("fp16_compress", 3)):
-        ref, _ = train(
+        ref, _ = train_on(
             fdp.train_step(loss_fn, comm_hook=hook), fdp.replicate(mlp_state(optax.sgd(0.1))), data
         )
         step = fdp.train_step(loss_fn, comm_hook=hook, zero_stage=stage)
-        state, _ = train(step, fdp.replicate(mlp_state(optax.sgd(0.1))), data)
+        state, _ = train_on(step, fdp.replicate(mlp_state(optax.sgd(0.1))), data)
         chex.assert_trees_all_close(
             jax.device_get(state.params), jax.device_get(ref.params), atol=1e-3
         )
@@ -238,7 +222,7 @@ def test_bf16_compression_of_the_reduce_scatter_and_powersgd_at_stage_1():
             )
         )
         step = fdp.train_step(loss_fn, comm_hook=powersgd, zero_stage=stage)
-        results.append(jax.device_get(train(step, state, batches(3))[0].params))
+        results.append(jax.device_get(train_on(step, state, batches(3))[0].params))
     chex.assert_trees_all_close(results[1], results[0], atol=2e-6)
 
 
@@ -282,9 +266,9 @@ def test_a_sharded_checkpoint_restores_onto_another_stage_and_fewer_devices(
     data = batches(4)
     loss_fn = cross_entropy(MLP().apply)
     step8 = fdp.train_step(loss_fn, zero_stage=saved)
-    uninterrupted, _ = train(step8, fdp.replicate(mlp_state(optax.adam(1e-2))), data)
+    uninterrupted, _ = train_on(step8, fdp.replicate(mlp_state(optax.adam(1e-2))), data)
 
-    state, _ = train(step8, fdp.replicate(mlp_state(optax.adam(1e-2))), data[:2])
+    state, _ = train_on(step8, fdp.replicate(mlp_state(optax.adam(1e-2))), data[:2])
     with fdp.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(2, state)
         ckpt.wait_until_finished()
@@ -296,7 +280,7 @@ def test_a_sharded_checkpoint_restores_onto_another_stage_and_fewer_devices(
     kernel = resumed.opt_state[0].mu["Dense_0"]["kernel"]
     assert len(kernel.sharding.device_set) == 4
     assert kernel.sharding.is_fully_replicated == (restored == 0)
-    resumed, _ = train(step4, resumed, data[2:], mesh4)
+    resumed, _ = train_on(step4, resumed, data[2:], mesh4)
     chex.assert_trees_all_close(
         jax.device_get(resumed.params), jax.device_get(uninterrupted.params), atol=2e-6, rtol=1e-5
     )
@@ -347,7 +331,7 @@ def test_nnx_stage_3_holds_a_share_of_the_parameters_and_the_optimizer_state():
     step = fdp.nnx_train_step(nnx_loss, zero_stage=3)
     step(model, optimizer, fdp.shard_batch(batches(1)[0]))
     whole = 10 * 4  # the head's bias
-    held = per_device_bytes(nnx.state(model, nnx.Param))
+    held = device0_bytes(nnx.state(model, nnx.Param))
     assert held == (full[0] - whole) // N + whole
-    assert per_device_bytes(nnx.state(optimizer.opt_state)) <= 1.05 * full[1] / N + 3 * whole
+    assert device0_bytes(nnx.state(optimizer.opt_state)) <= 1.05 * full[1] / N + 3 * whole
     assert "ZeRO stage 3 over 8 device(s)" in fdp.describe(step)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import reference_steps
+from _models import device0_bytes, reference_steps, train_on
 from flax import nnx
 from flax.training.train_state import TrainState
 
@@ -62,22 +62,6 @@ def batches(num=STEPS, rows=32):
     ]
 
 
-def train(step, state, data, mesh=None):
-    for batch in data:
-        state, metrics = step(state, fdp.shard_batch(batch, mesh))
-    return state, metrics
-
-
-def device0_bytes(tree):
-    """Bytes device 0 holds of a tree of global arrays (from its addressable shards)."""
-    return sum(
-        s.data.nbytes
-        for x in jax.tree.leaves(tree)
-        for s in x.addressable_shards
-        if s.device == jax.devices()[0]
-    )
-
-
 def test_the_padding_rule():
     assert [pad_dim(s, N) for s in [(7, 5), (5, 3), (3, 10), (10,), (5,), (3,), (16, 5)]] == [
         0,
@@ -102,7 +86,7 @@ def test_padded_stages_end_where_stage_0_and_one_device_do(opt):
     ends = {}
     for stage in (0, 1, 2, 3):
         step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=stage))
-        state, metrics = train(step, fdp.replicate(odd_state(OPTIMIZERS[opt]())), data)
+        state, metrics = train_on(step, fdp.replicate(odd_state(OPTIMIZERS[opt]())), data)
         # The user's parameters keep their shapes; the padding never shows there.
         assert jax.tree.map(jnp.shape, state.params) == jax.tree.map(jnp.shape, expected.params)
         ends[stage] = jax.device_get(state.params)
@@ -124,7 +108,7 @@ def test_each_device_holds_an_eighth_of_the_optimizer_state_plus_padding():
     whole = {}
     for stage in (0, 1, 2, 3):
         step = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=stage))
-        state, _ = train(step, fdp.replicate(odd_state(optax.adam(1e-2))), data)
+        state, _ = train_on(step, fdp.replicate(odd_state(optax.adam(1e-2))), data)
         held = device0_bytes(state.opt_state)
         if stage == 0:
             whole = {"opt": held, "params": state.params}
@@ -185,8 +169,8 @@ def test_a_padded_checkpoint_restores_onto_another_stage_and_device_count(
     data = batches(4)
     make = lambda: odd_state(optax.adam(1e-2))  # noqa: E731
     step8 = fdp.train_step(loss_fn, sharding=fdp.Sharding(zero_stage=saved))
-    uninterrupted, _ = train(step8, fdp.replicate(make()), data)
-    state, _ = train(step8, fdp.replicate(make()), data[:2])
+    uninterrupted, _ = train_on(step8, fdp.replicate(make()), data)
+    state, _ = train_on(step8, fdp.replicate(make()), data[:2])
     with fdp.CheckpointManager(tmp_path) as ckpt:
         ckpt.save(2, state)
         ckpt.wait_until_finished()
@@ -198,7 +182,7 @@ def test_a_padded_checkpoint_restores_onto_another_stage_and_device_count(
     mu = resumed.opt_state[0].mu["Dense_2"]["bias"]  # 10 floats: padded to 12 on 4, 16 on 8
     assert mu.shape == ((10,) if restored == 0 else padded_shape((10,), devices))
     assert resumed.params["Dense_2"]["bias"].shape == (10,)
-    resumed, _ = train(step, resumed, data[2:], mesh)
+    resumed, _ = train_on(step, resumed, data[2:], mesh)
     chex.assert_trees_all_close(
         jax.device_get(resumed.params), jax.device_get(uninterrupted.params), atol=2e-6, rtol=1e-5
     )
