@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import MLP, cross_entropy
+from _models import MLP, cross_entropy, train_on
 from flax import nnx
 from test_zero import (
     OPTIMIZERS,
@@ -22,7 +22,6 @@ from test_zero import (
     bn_loss,
     mlp_state,
     nnx_loss,
-    train,
 )
 
 import fdp
@@ -34,12 +33,12 @@ from fdp.step._padding import unpad_like
 def test_linen_stage_3_per_use_ends_where_stage_0_does(opt):
     data = batches()
     loss_fn = cross_entropy(MLP().apply)
-    ref, ref_metrics = train(
+    ref, ref_metrics = train_on(
         fdp.train_step(loss_fn), fdp.replicate(mlp_state(OPTIMIZERS[opt]())), data
     )
     step = fdp.train_step(loss_fn, zero_stage=3)
     assert step.config.gathers_per_use
-    state, metrics = train(step, fdp.replicate(mlp_state(OPTIMIZERS[opt]())), data)
+    state, metrics = train_on(step, fdp.replicate(mlp_state(OPTIMIZERS[opt]())), data)
     chex.assert_trees_all_close(
         jax.device_get(state.params), jax.device_get(ref.params), atol=2e-6, rtol=1e-5
     )
@@ -85,9 +84,9 @@ def test_accumulation_unused_parameters_and_buffers_with_per_use_gathers():
 
     data = batches(2)
     settings = dict(accumulate_steps=2, find_unused_parameters=True, buffers="mean")
-    ref, _ = train(fdp.train_step(bn_loss, **settings), fdp.replicate(state()), data)
+    ref, _ = train_on(fdp.train_step(bn_loss, **settings), fdp.replicate(state()), data)
     step = fdp.train_step(bn_loss, zero_stage=3, **settings)
-    got, _ = train(step, fdp.replicate(state()), data)
+    got, _ = train_on(step, fdp.replicate(state()), data)
     chex.assert_trees_all_close(
         jax.device_get((got.params, got.batch_stats)),
         jax.device_get((ref.params, ref.batch_stats)),
@@ -192,7 +191,7 @@ def test_a_scanned_layer_stack_ends_where_stage_0_does():  # per layer: test_per
     results = {}
     for stage in (0, 3):
         state = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
-        results[stage], _ = train(
+        results[stage], _ = train_on(
             fdp.train_step(loss_fn, zero_stage=stage), fdp.replicate(state), data
         )
     chex.assert_trees_all_close(
