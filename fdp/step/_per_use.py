@@ -126,17 +126,10 @@ def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
     then merges the backward pass's gathers into the forward pass's (every
     parameter whole from the first layer to the last: stage 1's peak).
     """
-    token = next(
-        (
-            x
-            for x in jax.tree.leaves(to)
-            if getattr(x, "size", 0) and jnp.issubdtype(x.dtype, jnp.number)
-        ),
-        None,
-    )
+    token = _first_number(to)
     if token is None:
         return shards
-    zero = jnp.ravel(token)[0] * 0
+    zero = token * 0
     return tuple(
         s + zero.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else s for s in shards
     )
@@ -162,7 +155,7 @@ class _Prefetch:
         return self.recent[0]
 
 
-def _token(to: Any) -> Any:
+def _first_number(to: Any) -> Any:
     """One element of the first numeric array of ``to`` (None if it has none)."""
     x = next(
         (
@@ -172,7 +165,13 @@ def _token(to: Any) -> Any:
         ),
         None,
     )
-    return None if x is None else jax.lax.stop_gradient(jnp.ravel(x)[0])
+    return None if x is None else jnp.ravel(x)[0]
+
+
+def _token(to: Any) -> Any:
+    """:func:`_first_number` of ``to``, no gradient through it (a prefetch anchor)."""
+    x = _first_number(to)
+    return None if x is None else jax.lax.stop_gradient(x)
 
 
 def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
