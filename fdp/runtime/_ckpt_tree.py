@@ -172,9 +172,16 @@ def mismatch_message(problems: list[str], step: int, step_dir: str) -> str:
     """The error for a template that does not match checkpoint ``step``."""
     shown = "\n  ".join(problems[:_SHOWN])
     more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    legacy = ""
+    if any(f"/{LEGACY_ATTR}/" in p for p in problems):
+        legacy = (
+            f"\nThe checkpoint holds a comm hook's state on the optimizer ({LEGACY_ATTR}), "
+            "where fdp 0.1 kept it: restore it into (model, optimizer, comm_state) with "
+            "comm_state = step.init(model, optimizer), and fdp moves it into comm_state."
+        )
     return (
         f"the template passed to restore does not match checkpoint step={step} in {step_dir}; "
-        f"{len(problems)} leaf/leaves differ:\n  {shown}{more}\nBuild the template "
+        f"{len(problems)} leaf/leaves differ:\n  {shown}{more}{legacy}\nBuild the template "
         "the way the saved state was built (the same model, optimizer, dtypes and comm hook; "
         "for NNX with a stateful hook, (model, optimizer, comm_state) with comm_state = "
         "step.init(model, optimizer)), and cast after restoring if you want other dtypes."

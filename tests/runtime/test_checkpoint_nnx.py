@@ -82,6 +82,35 @@ def test_resuming_an_nnx_run_is_bit_identical(tmp_path, hook):
     )
 
 
+def test_an_fdp_0_1_checkpoint_restores_into_a_comm_state(tmp_path):
+    """fdp 0.1 saved the hook state on the optimizer; restore moves it into comm_state."""
+    model, opt, step = fresh(0, powersgd())
+    losses = []
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        for i, b in enumerate(BATCHES):
+            with pytest.warns(DeprecationWarning, match="comm_state"):  # fdp 0.1's spelling
+                losses.append(float(step(model, opt, fdp.shard_batch(b))["loss"]))
+            if i == 2:
+                ckpt.save(3, (model, opt))  # the optimizer holds fdp_comm_state
+    model2, opt2, step2 = fresh(7, powersgd())
+    comm2 = step2.init(model2, opt2)
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match=r"fdp 0.1(.|\n)*comm_state = step.init"):
+            ckpt.restore((model2, opt2))  # no place for the hook state: the fix is named
+        restored = ckpt.restore((model2, opt2, comm2))
+    assert restored.state[2] is comm2 and not hasattr(opt2, "fdp_comm_state")
+    resumed = [
+        float(step2(model2, opt2, fdp.shard_batch(b), comm_state=comm2)["loss"])
+        for b in BATCHES[3:]
+    ]
+    assert resumed == losses[3:]
+    old = everything(model, opt)
+    old_comm = old[1].pop("fdp_comm_state")
+    new = everything(model2, opt2, comm2)
+    jax.tree.map(np.testing.assert_array_equal, (new[0], new[1]), (old[0], old[1]))
+    jax.tree.map(np.testing.assert_array_equal, new[2]["comm_state"], old_comm)
+
+
 def test_restoring_into_a_fresh_unplaced_model_then_stepping_works(tmp_path):
     model, opt, step = fresh(0, None)
     step(model, opt, fdp.shard_batch(BATCHES[0]))
