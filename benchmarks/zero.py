@@ -30,10 +30,13 @@ On 8 simulated CPU devices, for each ZeRO stage of ``fdp.train_step`` (Adam/Adam
    (``fdp.collective_stats``; a loop's collectives counted once) at ``--fsdp-dim``,
    then the largest width whose peak fits each of ``--table-budgets-gib`` (CPU;
    the GPU too with ``--gpu-budgets``), then the step time of stage 3 over stage 0
-   on the CPU devices (interleaved rounds, median ratio).
+   on the CPU devices (interleaved rounds, median ratio). ``--rows`` and
+   ``--layers`` pick some of the rows (each compile takes minutes on a loaded VM).
 
     python benchmarks/zero.py --json benchmarks/results/zero.json
     python benchmarks/zero.py --table --json benchmarks/results/zero_table.json
+    python benchmarks/zero.py --table --layers scan --rows stage0 per-use jit-fsdp \\
+        --platforms cpu --table-budgets-gib 1 --skip-timing
 """
 
 from __future__ import annotations
@@ -264,6 +267,8 @@ TABLE_MODES = (
     "plain jit FSDP",
 )
 STAGE_OF = {"stage 0": 0, "stage 1": 1, "plain jit FSDP": 3}
+ROW_NAMES = dict(zip(("stage0", "stage1", "kept", "per-use", "jit-fsdp"), TABLE_MODES, strict=True))
+LAYERS = {"plain": False, "scan": True}
 
 
 def fdp_step(bench, mode: str, mesh=None):
@@ -460,6 +465,20 @@ def main() -> None:
     parser.add_argument(
         "--gpu-budgets", action="store_true", help="table: search the budgets on GPU too (slow)"
     )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=list(ROW_NAMES),
+        choices=list(ROW_NAMES),
+        help="table: the approaches measured (stage0, stage1, kept, per-use, jit-fsdp)",
+    )
+    parser.add_argument(
+        "--layers",
+        nargs="+",
+        default=list(LAYERS),
+        choices=list(LAYERS),
+        help="table: plain layers, blocks under nn.scan + nn.remat, or both",
+    )
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--timing-only", action="store_true", help="table: the step times only")
     parser.add_argument("--timing-dim", type=int, default=256, help="table: width timed")
@@ -595,8 +614,8 @@ def table_part(args, save) -> dict:
         f"{family['per_device']} sequences per device, Adam, {args.devices} devices, "
         f"compile-only (peak = argument + output - alias + temp); width {args.fsdp_dim}"
     )
-    for scanned in (False, True):
-        for mode in TABLE_MODES:
+    for scanned in (LAYERS[name] for name in args.layers):
+        for mode in (ROW_NAMES[name] for name in args.rows):
             row: dict = {"mode": mode, "model": "scan+remat" if scanned else "plain layers"}
             for name, mesh in platforms.items():
                 start = time.perf_counter()
@@ -606,6 +625,8 @@ def table_part(args, save) -> dict:
                     "params_at_dim": params,
                     "compiled": compiled_memory_of(compiled),
                     "sent_bytes": stats.sent_bytes(),
+                    # those inside loops, counted once: a step runs them once per layer
+                    "loop_sent_bytes": fdp.loop_collectives(compiled).sent_bytes(),
                     "collectives": {k: stats.count(k) for k in COLLECTIVE_KINDS},
                     "collective_bytes": {k: stats.nbytes(k) for k in COLLECTIVE_KINDS},
                     "seconds": time.perf_counter() - start,
@@ -619,10 +640,24 @@ def table_part(args, save) -> dict:
             for name, mesh in platforms.items():
                 if name == "gpu" and not args.gpu_budgets:
                     continue
+                probes = row[name].setdefault("probes", [])  # every width compiled
 
-                def measure(k, mode=row["mode"], mesh=mesh, scanned=row["model"] != "plain layers"):
+                def measure(
+                    k,
+                    mode=row["mode"],
+                    mesh=mesh,
+                    scanned=row["model"] != "plain layers",
+                    probes=probes,
+                ):
+                    start = time.perf_counter()
                     c, p = compile_mode(64 * k, mode, family, mesh, scanned)
-                    return compiled_memory_of(c)["footprint"], p
+                    peak = compiled_memory_of(c)["footprint"]
+                    seconds = time.perf_counter() - start
+                    layers = "scan+remat" if scanned else "plain layers"
+                    print(f"  {mode}, {layers}: width {64 * k}", end="", flush=True)
+                    print(f" peak {mib(peak)} MiB ({seconds:.0f} s)", flush=True)
+                    probes.append({"dim": 64 * k, "params": p, "footprint_bytes": peak})
+                    return peak, p
 
                 first = {
                     args.fsdp_dim // 64: (
