@@ -25,7 +25,8 @@ On 8 simulated CPU devices, for each ZeRO stage of ``fdp.train_step`` (Adam/Adam
 5. ``--table``: issue 31's table, every row measured the same way in one run: fdp
    stages 0 and 1, stage 3 kept gathered and gathered per use, and plain-``jit``
    FSDP, each on the GPT with plain layers and with its blocks under ``nn.scan`` +
-   ``nn.remat``; compiled for 8 simulated CPU devices and, deviceless, for 8 x H100
+   ``nn.remat`` (scanned, plain-``jit`` FSDP also with its layer stacks split off
+   the layer axis); compiled for 8 simulated CPU devices and, deviceless, for 8 x H100
    (``--platforms``). Per row: the peak and the collectives' bytes
    (``fdp.collective_stats``; a loop's collectives counted once) at ``--fsdp-dim``,
    then the largest width whose peak fits each of ``--table-budgets-gib`` (CPU;
