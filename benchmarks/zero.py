@@ -25,15 +25,19 @@ On 8 simulated CPU devices, for each ZeRO stage of ``fdp.train_step`` (Adam/Adam
 5. ``--table``: issue 31's table, every row measured the same way in one run: fdp
    stages 0 and 1, stage 3 kept gathered and gathered per use, and plain-``jit``
    FSDP, each on the GPT with plain layers and with its blocks under ``nn.scan`` +
-   ``nn.remat``; compiled for 8 simulated CPU devices and, deviceless, for 8 x H100
+   ``nn.remat`` (scanned, plain-``jit`` FSDP also with its layer stacks split off
+   the layer axis); compiled for 8 simulated CPU devices and, deviceless, for 8 x H100
    (``--platforms``). Per row: the peak and the collectives' bytes
    (``fdp.collective_stats``; a loop's collectives counted once) at ``--fsdp-dim``,
    then the largest width whose peak fits each of ``--table-budgets-gib`` (CPU;
    the GPU too with ``--gpu-budgets``), then the step time of stage 3 over stage 0
-   on the CPU devices (interleaved rounds, median ratio).
+   on the CPU devices (interleaved rounds, median ratio). ``--rows`` and
+   ``--layers`` pick some of the rows (each compile takes minutes on a loaded VM).
 
     python benchmarks/zero.py --json benchmarks/results/zero.json
     python benchmarks/zero.py --table --json benchmarks/results/zero_table.json
+    python benchmarks/zero.py --table --layers scan --rows stage0 per-use jit-fsdp \\
+        --platforms cpu --table-budgets-gib 1 --skip-timing
 """
 
 from __future__ import annotations
@@ -262,8 +266,18 @@ TABLE_MODES = (
     "stage 3, kept gathered",
     "stage 3, gathered per use",
     "plain jit FSDP",
+    "plain jit FSDP, stacks split off the layer axis",
 )
-STAGE_OF = {"stage 0": 0, "stage 1": 1, "plain jit FSDP": 3}
+STAGE_OF = {"stage 0": 0, "stage 1": 1}
+ROW_NAMES = dict(
+    zip(
+        ("stage0", "stage1", "kept", "per-use", "jit-fsdp", "jit-fsdp-off-layer"),
+        TABLE_MODES,
+        strict=True,
+    )
+)
+SCANNED_ONLY = ("plain jit FSDP, stacks split off the layer axis",)
+LAYERS = {"plain": False, "scan": True}
 
 
 def fdp_step(bench, mode: str, mesh=None):
@@ -306,6 +320,33 @@ def plain_fsdp_step(bench, donate: bool = True):
     return jitted
 
 
+def split_off_layer_axis(state, depth: int, mesh):
+    """``state`` with each stacked leaf (leading dimension ``depth``) split along a later one.
+
+    fdp's rule splits a leaf along its first dimension that the devices divide: a
+    layer stack's layer axis. Under plain ``jit`` that leaves XLA to gather whole
+    stacks for the loop; split along a later dimension (as MaxText shards a scanned
+    model), each loop trip can gather its own layer.
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fdp.step import _zero
+
+    n = mesh.devices.size
+
+    def split(x):
+        if len(x.shape) < 2 or x.shape[0] != depth:
+            return x
+        d = _zero.shard_dim(x.shape[1:], n)
+        spec = P() if d is None else P(*([None] * (d + 1)), "data")
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return state.replace(
+        params=jax.tree.map(split, state.params), opt_state=jax.tree.map(split, state.opt_state)
+    )
+
+
 def compile_mode(dim: int, mode: str, family: dict, mesh, scanned: bool = False):
     """``(compiled step, parameter count)`` of ``mode`` on the family member of width ``dim``.
 
@@ -318,7 +359,9 @@ def compile_mode(dim: int, mode: str, family: dict, mesh, scanned: bool = False)
     abstract = abstract_state(bench, bench.tx())
     batch = token_batch(mesh, family["per_device"] * mesh.devices.size, family["seq"])
     state = with_shardings(abstract, STAGE_OF.get(mode, 3), mesh)
-    if mode == "plain jit FSDP":
+    if mode in SCANNED_ONLY:
+        state = split_off_layer_axis(state, family["depth"], mesh)
+    if mode.startswith("plain jit FSDP"):
         jitted = plain_fsdp_step(bench)(state.params, state.opt_state)
         lowered = jitted.lower(state.params, state.opt_state, batch)
     else:
@@ -434,7 +477,7 @@ def print_memory(name: str, params: int, rows: dict[int, dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
@@ -459,6 +502,20 @@ def main() -> None:
     )
     parser.add_argument(
         "--gpu-budgets", action="store_true", help="table: search the budgets on GPU too (slow)"
+    )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=list(ROW_NAMES),
+        choices=list(ROW_NAMES),
+        help="table: the approaches measured (jit-fsdp-off-layer: scanned only)",
+    )
+    parser.add_argument(
+        "--layers",
+        nargs="+",
+        default=list(LAYERS),
+        choices=list(LAYERS),
+        help="table: plain layers, blocks under nn.scan + nn.remat, or both",
     )
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--timing-only", action="store_true", help="table: the step times only")
@@ -595,8 +652,10 @@ def table_part(args, save) -> dict:
         f"{family['per_device']} sequences per device, Adam, {args.devices} devices, "
         f"compile-only (peak = argument + output - alias + temp); width {args.fsdp_dim}"
     )
-    for scanned in (False, True):
-        for mode in TABLE_MODES:
+    for scanned in (LAYERS[name] for name in args.layers):
+        for mode in (ROW_NAMES[name] for name in args.rows):
+            if mode in SCANNED_ONLY and not scanned:
+                continue
             row: dict = {"mode": mode, "model": "scan+remat" if scanned else "plain layers"}
             for name, mesh in platforms.items():
                 start = time.perf_counter()
@@ -606,6 +665,8 @@ def table_part(args, save) -> dict:
                     "params_at_dim": params,
                     "compiled": compiled_memory_of(compiled),
                     "sent_bytes": stats.sent_bytes(),
+                    # those inside loops, counted once: a step runs them once per layer
+                    "loop_sent_bytes": fdp.loop_collectives(compiled).sent_bytes(),
                     "collectives": {k: stats.count(k) for k in COLLECTIVE_KINDS},
                     "collective_bytes": {k: stats.nbytes(k) for k in COLLECTIVE_KINDS},
                     "seconds": time.perf_counter() - start,
@@ -619,10 +680,24 @@ def table_part(args, save) -> dict:
             for name, mesh in platforms.items():
                 if name == "gpu" and not args.gpu_budgets:
                     continue
+                probes = row[name].setdefault("probes", [])  # every width compiled
 
-                def measure(k, mode=row["mode"], mesh=mesh, scanned=row["model"] != "plain layers"):
+                def measure(
+                    k,
+                    mode=row["mode"],
+                    mesh=mesh,
+                    scanned=row["model"] != "plain layers",
+                    probes=probes,
+                ):
+                    start = time.perf_counter()
                     c, p = compile_mode(64 * k, mode, family, mesh, scanned)
-                    return compiled_memory_of(c)["footprint"], p
+                    peak = compiled_memory_of(c)["footprint"]
+                    seconds = time.perf_counter() - start
+                    layers = "scan+remat" if scanned else "plain layers"
+                    print(f"  {mode}, {layers}: width {64 * k}", end="", flush=True)
+                    print(f" peak {mib(peak)} MiB ({seconds:.0f} s)", flush=True)
+                    probes.append({"dim": 64 * k, "params": p, "footprint_bytes": peak})
+                    return peak, p
 
                 first = {
                     args.fsdp_dim // 64: (
