@@ -94,27 +94,31 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         accumulation=fdp.Accumulation(steps=args.accumulate_steps),
         reduction=fdp.Reduction(comm_hook=args.comm_hook),
     )
-    step.init(model, optimizer)  # placed on the mesh (and given a stateful hook's state)
+    # Placed on the mesh; comm_state holds a stateful hook's state (PowerSGD's), passed
+    # to every step and checkpointed with the model and optimizer.
+    comm_state = step.init(model, optimizer)
+    objects = (model, optimizer, comm_state)
 
     start = 0
     ckpt = fdp.CheckpointManager(args.ckpt_dir, max_to_keep=2) if args.ckpt_dir else None
     if ckpt is not None and ckpt.latest_step() is not None:
-        # The whole state of model and optimizer is one pytree: restore it into the
-        # current one (the template) and write it back into the objects.
-        restored = ckpt.restore(nnx.state((model, optimizer)))
-        nnx.update((model, optimizer), restored.state)
+        # The whole state of the objects is one pytree: restore it into the current
+        # one (the template) and write it back into the objects.
+        restored = ckpt.restore(nnx.state(objects))
+        nnx.update(objects, restored.state)
         start = restored.data_position["step"]
         print(f"resumed from step {start}")
 
     metrics: dict = {}
     model.train()
     for i in range(start, args.steps):
-        metrics = step(model, optimizer, fdp.shard_batch(batch_at(train, i, args.batch_size)))
+        batch = fdp.shard_batch(batch_at(train, i, args.batch_size))
+        metrics = step(model, optimizer, batch, comm_state=comm_state)
         if ckpt is not None and (i + 1) % args.ckpt_every == 0:
-            ckpt.save(i + 1, nnx.state((model, optimizer)), data_position={"step": i + 1})
+            ckpt.save(i + 1, nnx.state(objects), data_position={"step": i + 1})
     if ckpt is not None:
         if ckpt.latest_step() != args.steps and args.steps > start:
-            ckpt.save(args.steps, nnx.state((model, optimizer)), data_position={"step": args.steps})
+            ckpt.save(args.steps, nnx.state(objects), data_position={"step": args.steps})
         ckpt.close()
 
     model.eval()  # BatchNorm's running statistics, no dropout

@@ -51,6 +51,7 @@ from fdp.runtime._preemption import reached_preemption as reached_preemption
 from fdp.step._accumulate import Accumulated as Accumulated
 from fdp.step._accumulate import GradAccumulator as GradAccumulator
 from fdp.step._accumulate import grad_accumulator as grad_accumulator
+from fdp.step._comm_state import NNXCommState as NNXCommState
 from fdp.step._ddp import DDPFunction as DDPFunction
 from fdp.step._ddp import ddp as ddp
 from fdp.step._linen import DataParallelStep as DataParallelStep
@@ -84,6 +85,7 @@ __all__ = [
     "DebugLevel",
     "DistributedSampler",
     "GradAccumulator",
+    "NNXCommState",
     "NNXDataParallelStep",
     "NNXSyncBatchNorm",
     "ParamUsage",

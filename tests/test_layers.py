@@ -32,6 +32,9 @@ LAYERS = {
     "fdp.observe._stats": 1,
     "fdp.observe._hlo": 1,
     "fdp.observe._fingerprint": 1,
+    # The NNX comm-hook state holder (plain flax): checkpoints name it to move fdp
+    # 0.1's layout (runtime/_ckpt_legacy.py), so it sits below them, not with the step.
+    "fdp.step._comm_state": 1,
     # 2. Comm hooks and the bucketed reduction.
     "fdp.hooks": 2,
     # 3. Platform backends (fdp.backends.cpu) and the dispatch that picks one.

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from fdp.runtime import _ckpt_files, _ckpt_tree
+from fdp.runtime import _ckpt_files, _ckpt_legacy, _ckpt_tree
 from fdp.runtime._host import barrier, broadcast_object
 
 _log = logging.getLogger("fdp.checkpoint")
@@ -53,7 +53,9 @@ class CheckpointManager:
     continues exactly where the saved one was. For Flax NNX pass the objects
     themselves, ``save(step, (model, optimizer))`` and
     ``restore((model, optimizer))``: both are saved whole (parameters,
-    buffers, RNG state, optimizer state, comm hook state) and restored in place.
+    buffers, RNG state, optimizer state) and restored in place; with a
+    stateful comm hook, its :class:`fdp.NNXCommState` too, ``(model,
+    optimizer, comm_state)``.
     With a grain data pipeline (see docs/data.md), pass its
     iterator as ``save(..., data_iterator=it)`` and ``restore(...,
     data_iterator=it)``: each process's iterator state is saved in the same
@@ -363,6 +365,10 @@ class CheckpointManager:
             ``jax.Array`` gets the sharding of the template's leaf (so a state
             saved on 8 devices restores onto a mesh of 4). For NNX, the objects
             saved, e.g. ``(model, optimizer)``: they are updated in place.
+            ``(model, optimizer, comm_state)`` (``comm_state =
+            step.init(model, optimizer)``) also restores a checkpoint of fdp
+            0.1, which kept a comm hook's state on the optimizer: it is moved
+            into ``comm_state``.
           step: the checkpoint to restore.
           data_iterator: a grain iterator of the same pipeline as the one
             saved (data source, sampler and its shard options,
@@ -481,6 +487,10 @@ class CheckpointManager:
         is_nnx = _ckpt_tree.has_nnx(template)
         tree = _ckpt_tree.to_tree(template) if is_nnx else template
         saved = self._manager.item_metadata(step)["state"]
+        # fdp 0.1 saved an NNX comm hook's state on the optimizer: read it in that layout.
+        legacy = _ckpt_legacy.legacy_layout(template, saved) if is_nnx else None
+        if legacy is not None:
+            tree = _ckpt_legacy.legacy_tree(legacy)
         problems = _ckpt_tree.differences(tree, saved)
         if problems:
             raise ValueError(_ckpt_tree.mismatch_message(problems, step, self.step_dir(step)))
@@ -507,7 +517,10 @@ class CheckpointManager:
                 f"(steps there: {self.all_steps()}) or report this."
             ) from e
         state = out["state"]
-        if is_nnx:
+        if legacy is not None:
+            _ckpt_tree.update_nnx(legacy.template, _ckpt_legacy.move_restored(legacy, state))
+            state = template
+        elif is_nnx:
             _ckpt_tree.update_nnx(template, state)
             state = template
         return Restored(state, out["data_position"], step)

@@ -10,19 +10,22 @@ import numpy as np
 from flax import nnx
 
 from fdp._extended import is_extended, to_raw
+from fdp.step._comm_state import LEGACY_ATTR, NNXCommState
 
-# Top-level keys of ``nnx.state(optimizer)`` in flax 0.12 (plus fdp's comm hook state).
-_OPTIMIZER_KEYS = frozenset({"opt_state", "step", "fdp_comm_state"})
+# Top-level keys of ``nnx.state(optimizer)`` in flax 0.12 (plus the comm hook state
+# fdp 0.1 set on it).
+_OPTIMIZER_KEYS = frozenset({"opt_state", "step", LEGACY_ATTR})
 _SHOWN = 8  # differences listed in an error
 
 
-def _is_node(x: Any) -> bool:
+def is_node(x: Any) -> bool:
+    """Whether ``x`` is an NNX object (saved as its ``nnx.State``)."""
     return isinstance(x, nnx.Pytree)
 
 
 def has_nnx(state: Any) -> bool:
     """Whether ``state`` is, or holds, NNX objects (a model, an optimizer)."""
-    return any(_is_node(x) for x in jax.tree.leaves(state, is_leaf=_is_node))
+    return any(is_node(x) for x in jax.tree.leaves(state, is_leaf=is_node))
 
 
 def refuse_optimizer_alone(state: Any) -> None:
@@ -36,7 +39,9 @@ def refuse_optimizer_alone(state: Any) -> None:
         "Save the model with it: ckpt.save(step, (model, optimizer)), and restore with "
         "ckpt.restore((model, optimizer)), which updates both in place."
     )
-    nodes = [x for x in jax.tree.leaves(state, is_leaf=_is_node) if _is_node(x)]
+    nodes = [x for x in jax.tree.leaves(state, is_leaf=is_node) if is_node(x)]
+    # An fdp.NNXCommState beside the optimizer is no model either.
+    nodes = [x for x in nodes if not isinstance(x, NNXCommState)]
     if nodes and all(isinstance(x, nnx.Optimizer) for x in nodes):
         raise ValueError(
             "state holds an nnx.Optimizer but no model: in flax 0.12 an optimizer's state is "
@@ -55,15 +60,15 @@ def refuse_optimizer_alone(state: Any) -> None:
 
 def to_tree(state: Any) -> Any:
     """``state`` with every NNX object replaced by its whole ``nnx.State`` (a pytree of arrays)."""
-    return jax.tree.map(lambda x: nnx.state(x) if _is_node(x) else x, state, is_leaf=_is_node)
+    return jax.tree.map(lambda x: nnx.state(x) if is_node(x) else x, state, is_leaf=is_node)
 
 
 def update_nnx(state: Any, restored: Any) -> None:
     """Writes ``restored`` (in the trees :func:`to_tree` made) into ``state``'s NNX objects."""
-    nodes = jax.tree.leaves(state, is_leaf=_is_node)
-    values = jax.tree.structure(state, is_leaf=_is_node).flatten_up_to(restored)
+    nodes = jax.tree.leaves(state, is_leaf=is_node)
+    values = jax.tree.structure(state, is_leaf=is_node).flatten_up_to(restored)
     for node, value in zip(nodes, values, strict=True):
-        if _is_node(node):
+        if is_node(node):
             nnx.update(node, value)
 
 
@@ -74,12 +79,14 @@ def _name(key: Any) -> str:
     return str(key)
 
 
-def _path(path: tuple) -> str:
+def path_name(path: tuple) -> str:
+    """A key path as a checkpoint names it: ``1/opt_state/0/mu``."""
     return "/".join(_name(k) for k in path) or "<root>"
 
 
-def _flat(tree: Any) -> dict[str, Any]:
-    return {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+def flat(tree: Any) -> dict[str, Any]:
+    """``tree``'s leaves by :func:`path_name`."""
+    return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _shape_dtype(leaf: Any) -> tuple[tuple[int, ...], np.dtype] | None:
@@ -119,7 +126,7 @@ def zero_padding(path: str, template: tuple[int, ...], saved: tuple[int, ...]) -
 
 def padded_leaves(template: Any, saved: Any) -> list[str]:
     """The paths whose shapes differ by ZeRO padding only (:func:`zero_padding`)."""
-    want, have = _flat(template), _flat(saved)
+    want, have = flat(template), flat(saved)
     out = []
     for path in sorted(want.keys() & have.keys()):
         t, shape = _shape_dtype(want[path]), getattr(have[path], "shape", None)
@@ -135,7 +142,7 @@ def differences(template: Any, saved: Any) -> list[str]:
 
     Shapes that differ by ZeRO's padding only (:func:`zero_padding`) agree.
     """
-    want, have = _flat(template), _flat(saved)
+    want, have = flat(template), flat(saved)
     out = []
     for path in sorted(want.keys() | have.keys()):
         if path not in have:
@@ -165,10 +172,17 @@ def mismatch_message(problems: list[str], step: int, step_dir: str) -> str:
     """The error for a template that does not match checkpoint ``step``."""
     shown = "\n  ".join(problems[:_SHOWN])
     more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    legacy = ""
+    if any(f"/{LEGACY_ATTR}/" in p for p in problems):
+        legacy = (
+            f"\nThe checkpoint holds a comm hook's state on the optimizer ({LEGACY_ATTR}), "
+            "where fdp 0.1 kept it: restore it into (model, optimizer, comm_state) with "
+            "comm_state = step.init(model, optimizer), and fdp moves it into comm_state."
+        )
     return (
         f"the template passed to restore does not match checkpoint step={step} in {step_dir}; "
-        f"{len(problems)} leaf/leaves differ:\n  {shown}{more}\nBuild the template the way "
-        "the saved state was built (the same model, optimizer, dtypes and comm hook; for NNX "
-        "with a stateful hook, call step.init(model, optimizer) before restoring), and cast "
-        "after restoring if you want other dtypes."
+        f"{len(problems)} leaf/leaves differ:\n  {shown}{more}{legacy}\nBuild the template "
+        "the way the saved state was built (the same model, optimizer, dtypes and comm hook; "
+        "for NNX with a stateful hook, (model, optimizer, comm_state) with comm_state = "
+        "step.init(model, optimizer)), and cast after restoring if you want other dtypes."
     )

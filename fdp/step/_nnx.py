@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -17,6 +18,7 @@ from fdp.data._placement import DATA_AXIS, replicate
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._batch import batch_rows, local_batch_struct
+from fdp.step._comm_state import LEGACY_ATTR, HookState, NNXCommState
 from fdp.step._config import BufferHook, LossFn, StepConfig, config_of
 from fdp.step._local_grads import Objective
 from fdp.step._loss import call_loss, check_loss_fn
@@ -32,10 +34,6 @@ from fdp.step._state import (
 from fdp.step._step import Step
 from fdp.step._update import Parts, View
 from fdp.step._zero import place
-
-
-class CommState(nnx.Variable):
-    """A comm hook's state on an ``nnx.Optimizer`` (one copy per device, stacked)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +55,21 @@ def _split_model(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any,
     return graphdef, params, keys, rest
 
 
+def _hook_variable(optimizer: nnx.Optimizer, holder: NNXCommState | None) -> HookState | None:
+    """Where the hook's state is: the :class:`NNXCommState` given, else fdp 0.1's attribute."""
+    if holder is not None:
+        return holder.comm_state
+    return getattr(optimizer, LEGACY_ATTR, None)  # deprecated; set only when no holder is given
+
+
 @dataclasses.dataclass(frozen=True)
 class NNX:
     """How the step reads and updates NNX objects (see :class:`fdp.step._update.FrontEnd`).
 
-    The jitted step gets the graph as ``static`` and ``(comm, state)``: the hook's
-    state on the optimizer (:class:`CommState`, stacked per device) and the rest
-    of the model's and optimizer's state; the step merges them into objects,
+    The objects are ``(model, optimizer, comm_state)``, the last an
+    :class:`NNXCommState` or None. The jitted step gets their graph as ``static``
+    and ``(comm, state)``: the hook's state (:class:`HookState` variables,
+    stacked per device) and the rest; the step merges them into objects,
     takes the gradient of the optimizer's ``wrt`` variables, keeps the other
     variables the forward pass changes as buffers, and folds the model's
     ``nnx.Rngs`` keys per device.
@@ -83,11 +89,11 @@ class NNX:
 
     def open(self, config: StepConfig, static: Any, parts: Parts, *, local: bool) -> View:
         comm = strip_device_axis(parts.hook_state) if local else parts.hook_state
-        model, optimizer = nnx.merge(static, comm, parts.owner)
+        model, optimizer, holder = nnx.merge(static, comm, parts.owner)
         model_def, params, keys, rest = _split_model(model, optimizer)
-        has_comm = hasattr(optimizer, "fdp_comm_state")
-        hook_state = optimizer.fdp_comm_state.get_value() if has_comm else None
-        return View((model, optimizer), params, rest, hook_state, keys, model_def)
+        variable = _hook_variable(optimizer, holder)
+        hook_state = None if variable is None else variable.get_value()
+        return View((model, optimizer, holder), params, rest, hook_state, keys, model_def)
 
     def objective(self, config: StepConfig, view: View, keys: Any) -> Objective:
         model_def, optimizer = view.extra, view.owner[1]
@@ -114,14 +120,14 @@ class NNX:
         return owner
 
     def params(self, owner: Any) -> Any:
-        model, optimizer = owner
+        model, optimizer = owner[:2]
         return nnx.as_pure(nnx.state(model, optimizer.wrt))
 
     def opt_state(self, owner: Any) -> Any:
         return nnx.as_pure(owner[1].opt_state)
 
     def with_arrays(self, owner: Any, params: Any, opt_state: Any) -> Any:
-        model, optimizer = owner
+        model, optimizer = owner[:2]
         nnx.update(model, params)
         nnx.update(optimizer.opt_state, nnx.state(opt_state))
         return owner
@@ -144,8 +150,8 @@ class NNX:
         local: bool,
     ) -> Parts:
         if hook_state is not None:
-            owner[1].fdp_comm_state.set_value(hook_state)
-        comm, state = nnx.split(owner, CommState, ...)[1:]
+            cast(HookState, _hook_variable(owner[1], owner[2])).set_value(hook_state)
+        comm, state = nnx.split(owner, HookState, ...)[1:]
         return Parts(state, None, add_device_axis(comm) if local else comm)
 
 
@@ -154,9 +160,12 @@ class NNXDataParallelStep(Step):
 
     Call it as ``metrics = step(model, optimizer, batch[, mask])``: like
     ``nnx.jit`` steps, it updates ``model`` and ``optimizer`` in place. A
-    stateful comm hook keeps its state on the optimizer as
-    ``optimizer.fdp_comm_state``. The step itself is :class:`fdp.step._step.Step`,
-    shared with Linen; this class adds the NNX calling convention.
+    stateful comm hook (PowerSGD) keeps its state in an :class:`fdp.NNXCommState`
+    that :meth:`init` returns and every call takes, ``step(model, optimizer,
+    batch, comm_state=comm_state)``, updating it in place too: an object the
+    caller holds, as it holds the optimizer, and checkpoints with the rest. The
+    step itself is :class:`fdp.step._step.Step`, shared with Linen; this class
+    adds the NNX calling convention.
     """
 
     def __init__(self, loss_fn: LossFn, cfg: StepConfig, stats: bool | StatsSchedule = False):
@@ -169,7 +178,7 @@ class NNXDataParallelStep(Step):
             stats=stats,
         )
         self._placed = False
-        self._stateful_hook: bool | None = None  # known after the first _init
+        self._stateful_hook: bool | None = None  # known once hook state was made
 
     def _plan(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any) -> StepPlan:
         cfg = self.config
@@ -184,37 +193,64 @@ class NNXDataParallelStep(Step):
         except flax.errors.TraceContextError as e:
             raise _captured_object_error(e) from e
 
-    def init(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None) -> None:
-        """Places ``model`` and ``optimizer`` on the mesh and gives ``optimizer`` the hook's state.
+    def init(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any = None) -> NNXCommState:
+        """Places ``model`` and ``optimizer`` on the mesh; returns the comm hook's state.
 
-        The documented way to start, as ``tx.init`` is for an optimizer's state;
-        a step called on objects not yet initialised still does this at its
-        first call, as fdp 0.1 did. With ``batch``, the
-        parameters the loss does not use are known, and left out of the buckets
-        that shape the hook's state (with ``find_unused_parameters``).
+        The documented way to start, as ``tx.init`` is for an optimizer's state:
+        ``comm_state = step.init(model, optimizer)``, then ``step(model,
+        optimizer, batch, comm_state=comm_state)``. The returned
+        :class:`fdp.NNXCommState` holds a stateful hook's state (PowerSGD's),
+        made from the parameters, and nothing for a hook without state; fdp
+        adds nothing to ``model`` or ``optimizer``. Checkpoint it with them
+        (``(model, optimizer, comm_state)``); to restore, make the template
+        with this call. A step called on objects not yet placed still places
+        them at its first call, as fdp 0.1 did. With ``batch``, the parameters
+        the loss does not use are known, and left out of the buckets that
+        shape the hook's state (with ``find_unused_parameters``).
         """
+        buckets = self._check_and_place(model, optimizer, batch)
+        holder = NNXCommState()
+        self._fill(model, optimizer, buckets, holder)
+        return holder
+
+    def _check_and_place(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any
+    ) -> BucketPlan | None:
+        """Checks and places the objects; the buckets of ``batch``'s plan (None without one)."""
         _check_optimizer(optimizer)
         plan = None if batch is None else self._plan(model, optimizer, batch, None)
         self._agree("init", plan, state=nnx.state((model, optimizer)), batch=batch)
-        self._init(model, optimizer, None if plan is None else plan.buckets)
-
-    def _init(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, buckets: BucketPlan | None
-    ) -> None:
-        cfg = self.config
         if not self._placed:
             self._place(model, optimizer)
             self._placed = True
-        if hasattr(optimizer, "fdp_comm_state"):
+        return None if plan is None else plan.buckets
+
+    def _fill(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        buckets: BucketPlan | None,
+        holder: NNXCommState | None,
+    ) -> None:
+        """Makes a stateful hook's state, where it is missing: in ``holder``, else fdp 0.1's place.
+
+        Without ``holder`` (deprecated), the state goes where fdp 0.1 put it, an
+        attribute on ``optimizer`` (:data:`~fdp.step._comm_state.LEGACY_ATTR`).
+        """
+        if _hook_variable(optimizer, holder) is not None:
             return
+        cfg = self.config
         params = nnx.state(model, optimizer.wrt)
         if buckets is None:
             buckets = self.plan or plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
         self._stateful_hook = hook_is_stateful(cfg, buckets)
-        if self._stateful_hook:
-            hook_state = init_hook_state(cfg, buckets, params, stacked=False)
-            # An attribute fdp adds to the optimizer (nnx tracks it as state).
-            optimizer.fdp_comm_state = CommState(hook_state)  # pyright: ignore[reportAttributeAccessIssue]
+        if not self._stateful_hook:
+            return
+        variable = HookState(init_hook_state(cfg, buckets, params, stacked=False))
+        if holder is not None:
+            holder.comm_state = variable
+        else:
+            setattr(optimizer, LEGACY_ATTR, variable)  # deprecated: fdp 0.1's place
 
     def _place(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
         """Places ``model`` and ``optimizer`` (arrays, or shape structs) in the step's layout."""
@@ -250,14 +286,16 @@ class NNXDataParallelStep(Step):
     def init_sharded(
         self, make: Callable[..., tuple[nnx.Module, nnx.Optimizer]], *args: Any
     ) -> tuple[nnx.Module, nnx.Optimizer]:
-        """``make(*args)`` built directly in the step's layout, then initialised.
+        """``make(*args)`` built directly in the step's layout, then placed.
 
         The way to start a model too large to exist whole on one device: the
         model and optimizer are built under ``jit`` with ``out_shardings`` set
         to the layout the step gives each variable (:meth:`abstract_init`), so
         each device computes and holds only its share of the sharded ones (the
         optimizer state from stage 1, the parameters too at stage 3). The
-        result equals ``make(*args)`` after ``step.init`` exactly.
+        result equals ``make(*args)`` after ``step.init`` exactly. A stateful
+        comm hook's state comes from ``step.init(model, optimizer)`` on the
+        result, which places nothing again.
 
         Args:
           make: builds ``(model, optimizer)`` from ``args``, for example
@@ -266,7 +304,7 @@ class NNXDataParallelStep(Step):
           *args: its array arguments (a PRNG key); close over the rest.
 
         Returns:
-          ``(model, optimizer)``, initialised as :meth:`init` initialises them.
+          ``(model, optimizer)``, placed as :meth:`init` places them.
 
         Raises:
           TypeError: ``make`` does not return ``(model, nnx.Optimizer)``.
@@ -279,7 +317,7 @@ class NNXDataParallelStep(Step):
         state = build_sharded(build, args, shardings_of(abstract))
         model, optimizer = nnx.merge(graphdef, state)
         self._placed = True  # placing again would first replicate: whole on every device
-        self.init(model, optimizer)
+        self._check_and_place(model, optimizer, None)
         return model, optimizer
 
     def _place_zero(self, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
@@ -294,41 +332,107 @@ class NNXDataParallelStep(Step):
             nnx.update(model, place(nnx.state(model, optimizer.wrt), mesh, axis))
 
     def __call__(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        batch: Any,
+        mask: Any = None,
+        *,
+        comm_state: NNXCommState | None = None,
     ) -> dict[str, Any]:
-        """Runs one step in place and returns the metrics."""
+        """Runs one step in place and returns the metrics.
+
+        Args:
+          model: the model, updated in place.
+          optimizer: its ``nnx.Optimizer``, updated in place.
+          batch: the global batch (``fdp.shard_batch``).
+          mask: per-example weights (with ``fdp.Loss(per_example=True)``), or None.
+          comm_state: the comm hook's state from :meth:`init`, updated in place;
+            needed by a stateful hook (an empty ``fdp.NNXCommState()`` is
+            filled at the first call). Without it, a stateful hook's state is
+            kept as fdp 0.1 kept it, on the optimizer, with a
+            ``DeprecationWarning``.
+        """
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
-        plan, graphdef, comm, state = self._prepare_call(model, optimizer, batch, mask)
+        objects = (model, optimizer, comm_state)
+        plan, graphdef, comm, state = self._prepare_call(objects, batch, mask)
         (comm, state), metrics = self._run(plan, graphdef, (comm, state), batch, None, mask)
-        nnx.update((model, optimizer), comm, state)
+        nnx.update(objects, comm, state)
         return metrics
 
     def lower(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any = None
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        batch: Any,
+        mask: Any = None,
+        *,
+        comm_state: NNXCommState | None = None,
     ) -> Any:
-        """The lowered step, without running it."""
-        plan, graphdef, comm, state = self._prepare_call(model, optimizer, batch, mask)
+        """The lowered step, without running it (``comm_state`` as in a call)."""
+        plan, graphdef, comm, state = self._prepare_call(
+            (model, optimizer, comm_state), batch, mask
+        )
         return self._lower(plan, graphdef, (comm, state), batch, None, mask)
 
     def _prepare_call(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any
+        self, objects: tuple[nnx.Module, nnx.Optimizer, NNXCommState | None], batch: Any, mask: Any
     ) -> tuple[StepPlan, Any, Any, Any]:
         """The plan and the split ``(graphdef, hook state, state)`` of one call."""
+        model, optimizer, holder = objects
         _check_optimizer(optimizer)
-        ready = self._placed and (
-            self._stateful_hook is False or hasattr(optimizer, "fdp_comm_state")
-        )
+        _check_comm_state(optimizer, holder)
+        variable = _hook_variable(optimizer, holder)
+        ready = self._placed and (self._stateful_hook is False or variable is not None)
         if not ready:
             with heartbeat.compiling():  # it traces: never a hang for fdp launch
                 first = self._plan(model, optimizer, batch, mask)
             self._agree("call", first, state=nnx.state((model, optimizer)), batch=batch, mask=mask)
             with heartbeat.compiling():
-                self._init(model, optimizer, first.buckets)
-        graphdef, comm, state = nnx.split((model, optimizer), CommState, ...)
+                if not self._placed:
+                    self._place(model, optimizer)
+                    self._placed = True
+                self._fill(model, optimizer, first.buckets, holder)
+            variable = _hook_variable(optimizer, holder)
+        if holder is None and variable is not None:
+            warnings.warn(
+                _LEGACY_WARNING.format(hook=self.config.comm_hook.name),
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        graphdef, comm, state = nnx.split(objects, HookState, ...)
         plan = self._plan_for(
             (graphdef, state, batch, None, mask), lambda: self._plan(model, optimizer, batch, mask)
         )
         return plan, graphdef, comm, state
+
+
+_LEGACY_WARNING = (
+    "fdp.nnx_train_step: comm hook {hook!r} keeps state between steps, and keeping it on "
+    "the optimizer (optimizer.fdp_comm_state, set by fdp) without comm_state= is "
+    "deprecated and goes in the next release. Hold it yourself: comm_state = "
+    "step.init(model, optimizer), then step(model, optimizer, batch, "
+    "comm_state=comm_state), and checkpoint (model, optimizer, comm_state)."
+)
+
+
+def _check_comm_state(optimizer: nnx.Optimizer, holder: Any) -> None:
+    """Raises unless ``holder`` is None or an :class:`NNXCommState` the optimizer does not rival."""
+    if holder is None:
+        return
+    if not isinstance(holder, NNXCommState):
+        raise TypeError(
+            "comm_state must be the fdp.NNXCommState that step.init(model, optimizer) "
+            f"returns, or None, got {type(holder).__name__}."
+        )
+    if hasattr(optimizer, LEGACY_ATTR):
+        raise ValueError(
+            "comm_state was given, and the optimizer also holds a comm hook's state as "
+            "fdp 0.1 kept it (optimizer.fdp_comm_state): the step would not know which to "
+            "use. Restore the checkpoint into a fresh (model, optimizer, comm_state) with "
+            "comm_state = step.init(model, optimizer): fdp moves the saved hook state into "
+            "comm_state."
+        )
 
 
 def _built_pair(built: Any) -> tuple[nnx.Module, nnx.Optimizer]:
@@ -426,6 +530,9 @@ def nnx_train_step(
     Returns:
       An :class:`NNXDataParallelStep`: ``metrics = step(model, optimizer, batch)``,
       with ``metrics['loss']`` (and ``metrics['grad_norm']``) as in :func:`fdp.train_step`.
+      A comm hook that keeps state (PowerSGD) keeps it in the
+      :class:`fdp.NNXCommState` that ``step.init(model, optimizer)`` returns,
+      passed as ``step(model, optimizer, batch, comm_state=comm_state)``.
 
     Raises:
       ValueError: a hook whose replicas diverge, a model averager, or

@@ -23,6 +23,7 @@ import jax
 from fdp.backends import release_free_memory
 from fdp.data._abstract import is_abstract
 from fdp.observe._debug import logger
+from fdp.step._comm_state import NNXCommState
 from fdp.step._linen import DataParallelStep
 from fdp.step._nnx import NNXDataParallelStep
 from fdp.step._policies import Reduction, with_candidate, with_cap
@@ -531,16 +532,21 @@ class _TunesAtFirstCall:
 
 
 class _PairStep:
-    """An NNX step in :func:`_tune`'s calling convention, on a ``(model, optimizer)`` pair."""
+    """An NNX step in :func:`_tune`'s calling convention, on a ``(model, optimizer)`` pair.
+
+    Each candidate keeps its own comm hook state (its buckets shape it), filled
+    at its first call; copies of the pair shared between candidates hold none.
+    """
 
     def __init__(self, step: Any):
         self._step = step
+        self._comm_state = NNXCommState()
 
     def __call__(self, pair: tuple, batch: Any, mask: Any = None) -> tuple[tuple, Any]:
-        return pair, self._step(*pair, batch, mask)
+        return pair, self._step(*pair, batch, mask, comm_state=self._comm_state)
 
     def lower(self, pair: tuple, batch: Any, mask: Any = None) -> Any:
-        return self._step.lower(*pair, batch, mask)
+        return self._step.lower(*pair, batch, mask, comm_state=self._comm_state)
 
 
 def _copy_nnx(pair: tuple) -> tuple:
@@ -596,12 +602,16 @@ class AutoTunedNNXStep(_TunesAtFirstCall, NNXDataParallelStep):
     def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
         self._start(loss_fn, make_step, kwargs)
 
-    def __call__(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
+    def __call__(
+        self, model: Any, optimizer: Any, batch: Any, mask: Any = None, *, comm_state: Any = None
+    ) -> Any:
         """Tunes (first call only), then runs the chosen step in place."""
         self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
-        return super().__call__(model, optimizer, batch, mask)
+        return super().__call__(model, optimizer, batch, mask, comm_state=comm_state)
 
-    def lower(self, model: Any, optimizer: Any, batch: Any, mask: Any = None) -> Any:
+    def lower(
+        self, model: Any, optimizer: Any, batch: Any, mask: Any = None, *, comm_state: Any = None
+    ) -> Any:
         """Tunes (if not yet), then lowers the chosen step."""
         self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
-        return super().lower(model, optimizer, batch, mask)
+        return super().lower(model, optimizer, batch, mask, comm_state=comm_state)

@@ -39,42 +39,76 @@ def fresh(seed, hook):
     return model, opt, fdp.nnx_train_step(loss_fn, comm_hook=hook)
 
 
-def everything(model, opt):
+def everything(*objects):
     return jax.tree.map(
         lambda x: np.asarray(
             jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
         ),
-        nnx.to_pure_dict(nnx.state((model, opt))),
+        nnx.to_pure_dict(nnx.state(objects)),
     )
+
+
+def powersgd():
+    return hooks.powersgd(matrix_approximation_rank=1, start_powersgd_iter=2)
 
 
 @pytest.mark.parametrize("hook", ["allreduce", "powersgd"])
 def test_resuming_an_nnx_run_is_bit_identical(tmp_path, hook):
-    make_hook = lambda: (  # noqa: E731
-        hooks.powersgd(matrix_approximation_rank=1, start_powersgd_iter=2)
-        if hook == "powersgd"
-        else None
-    )
+    make_hook = powersgd if hook == "powersgd" else lambda: None
     model, opt, step = fresh(0, make_hook())
+    comm = step.init(model, opt)
     losses = []
     with fdp.CheckpointManager(tmp_path) as ckpt:
         for i, b in enumerate(BATCHES):
-            losses.append(float(step(model, opt, fdp.shard_batch(b))["loss"]))
+            losses.append(float(step(model, opt, fdp.shard_batch(b), comm_state=comm)["loss"]))
             if i == 2:  # saved in the background while the run goes on (donating its arrays)
-                ckpt.save(3, (model, opt), data_position={"batch": 3})
-    # A new process: other seeds, nothing placed yet. step.init first gives the
-    # optimizer the comm hook's state (a stateful hook), so that it is restored too.
+                ckpt.save(3, (model, opt, comm), data_position={"batch": 3})
+    # A new process: other seeds, nothing placed yet. step.init gives the comm hook's
+    # state (a stateful hook's) to restore into.
     model2, opt2, step2 = fresh(7, make_hook())
-    if hook == "powersgd":
-        step2.init(model2, opt2)
+    comm2 = step2.init(model2, opt2)
     with fdp.CheckpointManager(tmp_path) as ckpt:
-        restored = ckpt.restore((model2, opt2))
+        restored = ckpt.restore((model2, opt2, comm2))
     assert restored.state[0] is model2 and restored.data_position == {"batch": 3}
-    resumed = [float(step2(model2, opt2, fdp.shard_batch(b))["loss"]) for b in BATCHES[3:]]
+    resumed = [
+        float(step2(model2, opt2, fdp.shard_batch(b), comm_state=comm2)["loss"])
+        for b in BATCHES[3:]
+    ]
     assert resumed == losses[3:]
     # Every array (parameters, moments, batch statistics, RNG counts, hook state)
     # is the one of the run that never stopped.
-    jax.tree.map(np.testing.assert_array_equal, everything(model2, opt2), everything(model, opt))
+    jax.tree.map(
+        np.testing.assert_array_equal, everything(model2, opt2, comm2), everything(model, opt, comm)
+    )
+
+
+def test_an_fdp_0_1_checkpoint_restores_into_a_comm_state(tmp_path):
+    """fdp 0.1 saved the hook state on the optimizer; restore moves it into comm_state."""
+    model, opt, step = fresh(0, powersgd())
+    losses = []
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        for i, b in enumerate(BATCHES):
+            with pytest.warns(DeprecationWarning, match="comm_state"):  # fdp 0.1's spelling
+                losses.append(float(step(model, opt, fdp.shard_batch(b))["loss"]))
+            if i == 2:
+                ckpt.save(3, (model, opt))  # the optimizer holds fdp_comm_state
+    model2, opt2, step2 = fresh(7, powersgd())
+    comm2 = step2.init(model2, opt2)
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match=r"fdp 0.1(.|\n)*comm_state = step.init"):
+            ckpt.restore((model2, opt2))  # no place for the hook state: the fix is named
+        restored = ckpt.restore((model2, opt2, comm2))
+    assert restored.state[2] is comm2 and not hasattr(opt2, "fdp_comm_state")
+    resumed = [
+        float(step2(model2, opt2, fdp.shard_batch(b), comm_state=comm2)["loss"])
+        for b in BATCHES[3:]
+    ]
+    assert resumed == losses[3:]
+    old = everything(model, opt)
+    old_comm = old[1].pop("fdp_comm_state")
+    new = everything(model2, opt2, comm2)
+    jax.tree.map(np.testing.assert_array_equal, (new[0], new[1]), (old[0], old[1]))
+    jax.tree.map(np.testing.assert_array_equal, new[2]["comm_state"], old_comm)
 
 
 def test_restoring_into_a_fresh_unplaced_model_then_stepping_works(tmp_path):
@@ -89,10 +123,14 @@ def test_restoring_into_a_fresh_unplaced_model_then_stepping_works(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, everything(model2, opt2), everything(model, opt))
 
 
-@pytest.mark.parametrize("what", ["nnx.state(optimizer)", "optimizer"])
+@pytest.mark.parametrize("what", ["nnx.state(optimizer)", "optimizer", "optimizer+comm"])
 def test_a_save_that_leaves_the_model_out_is_refused(tmp_path, what):
-    _, opt, _ = fresh(0, None)
-    state = nnx.state(opt) if what == "nnx.state(optimizer)" else opt
+    model, opt, step = fresh(0, powersgd())
+    state = {
+        "nnx.state(optimizer)": lambda: nnx.state(opt),
+        "optimizer": lambda: opt,
+        "optimizer+comm": lambda: (opt, step.init(model, opt)),  # a comm state is no model
+    }[what]()
     with fdp.CheckpointManager(tmp_path) as ckpt:
         with pytest.raises(
             ValueError, match=r"stale parameters.*ckpt.save\(step, \(model, optimizer\)\)"
@@ -102,14 +140,14 @@ def test_a_save_that_leaves_the_model_out_is_refused(tmp_path, what):
 
 
 def test_a_missing_comm_hook_state_is_named(tmp_path):
-    hook = hooks.powersgd(matrix_approximation_rank=1, start_powersgd_iter=2)
-    model, opt, step = fresh(0, hook)
-    step(model, opt, fdp.shard_batch(BATCHES[0]))
+    model, opt, step = fresh(0, powersgd())
+    comm = step.init(model, opt)
+    step(model, opt, fdp.shard_batch(BATCHES[0]), comm_state=comm)
     with fdp.CheckpointManager(tmp_path) as ckpt:
-        ckpt.save(1, (model, opt))
-        model2, opt2, _ = fresh(0, hook)
+        ckpt.save(1, (model, opt, comm))
+        model2, opt2, _ = fresh(0, powersgd())
         with pytest.raises(
             ValueError,
-            match=r"fdp_comm_state.*in the checkpoint, not in the template(.|\n)*step.init",
+            match=r"comm_state.*in the checkpoint, not in the template(.|\n)*step.init",
         ):
             ckpt.restore((model2, opt2))

@@ -194,3 +194,43 @@ def test_param_dtype_must_be_a_floating_dtype():
         fdp.Sharding(param_dtype=jnp.int8)
     assert fdp.Sharding(param_dtype="bfloat16").param_dtype == jnp.bfloat16
     chex.assert_equal(fdp.Sharding().param_dtype, None)
+
+
+@pytest.mark.parametrize("mode", ["stage0", "stage3_per_use"])
+def test_bf16_params_of_a_scanned_stack_end_where_plain_jax_with_the_same_casts_does(mode):
+    # The scan paths: stage 0 reduces the stack inside the backward loop
+    # (fdp/step/_scanned.py), stage 3 gathers it one layer per loop trip (_per_use);
+    # the bf16 cast must be made once, as the loss reads the parameters, on both.
+    from test_per_layer import Stack, data, linen_loss, linen_state
+
+    model, steps = Stack(depth=4), data()
+    loss = linen_loss(model)
+    sharding = fdp.Sharding(**MODES[mode], param_dtype=jnp.bfloat16)
+    step = fdp.train_step(loss, sharding=sharding)
+    assert step.config.reduces_scanned_in_loop == (mode == "stage0")
+    state = fdp.replicate(linen_state(model))
+    for batch in steps:
+        state, _ = step(state, fdp.shard_batch(batch))
+
+    def shard_grad(params, batch, dtype):
+        low = jax.tree.map(lambda x: x.astype(dtype), params)
+        return jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(loss)(low, batch))
+
+    grad = jax.jit(shard_grad, static_argnums=2)
+
+    def reference(dtype):
+        ref = linen_state(model)
+        for batch in steps:
+            parts = [
+                grad(ref.params, {k: np.split(v, 8)[i] for k, v in batch.items()}, dtype)
+                for i in range(8)
+            ]
+            ref = ref.apply_gradients(grads=jax.tree.map(lambda *g: sum(g) / 8, *parts))
+        return jax.device_get(ref.params)
+
+    bf16, f32 = reference(jnp.bfloat16), reference(jnp.float32)
+    got = jax.device_get(state.params)
+    assert {x.dtype for x in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
+    tolerance = 2e-6  # float32 sums in another order; the casts move the result far more
+    assert max_diff(got, bf16) < tolerance
+    assert max_diff(bf16, f32) > 100 * tolerance
