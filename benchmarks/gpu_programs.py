@@ -202,7 +202,9 @@ def run(args):
                 t0 = time.perf_counter()
                 base = describe(plain_jit(loss_fn, state, batch, mesh, accumulate), target)
                 t1 = time.perf_counter()
-                step = fdp.train_step(loss_fn, mesh=mesh, accumulate_steps=accumulate)
+                step = fdp.train_step(
+                    loss_fn, mesh=mesh, accumulation=fdp.Accumulation(steps=accumulate)
+                )
                 compiled = step.lower(state, batch).compile()
                 ours = describe(compiled, target, step.plan)
                 rows.append(

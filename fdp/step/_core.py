@@ -24,6 +24,7 @@ from fdp.backends import fold_leading_dims
 from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
 from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
+from fdp.hooks._contract import bucket_key
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._hybrid import reduce_hybrid
@@ -255,7 +256,10 @@ def reduce_step(
     keep = None
     if tracked and (plan.usage.unused or plan.usage.conditional):
         keep = tuple(untouched_flags(plan.usage, out.used, axis))
-    metrics = reduce_metrics(out.global_loss(axis), out.aux, axis, out.aux_rows)
+    # On GPU the loss's all-reduce joins the last bucket's (one collective fewer).
+    grouped = config.groups_buckets and not (config.hybrid or per_use or in_loop)
+    last = bucket_key(plan.buckets.buckets[-1].index) if grouped and plan.buckets.buckets else None
+    metrics = reduce_metrics(out.global_loss(axis, combine_with=last), out.aux, axis, out.aux_rows)
     if config.reduction.grad_norm:  # each device may hold its share of split leaves
         shared = per_use or config.scatters_gradients
         metrics[0]["grad_norm"] = global_norm(grads, dims if shared else None, shard)

@@ -95,10 +95,16 @@ def test_each_bucket_is_one_collective_of_the_gpu_program(
 def test_a_bucket_is_one_all_reduce_of_its_gradients_where_they_lie(gpu_mesh):
     step, compiled = compile_step(gpu_mesh)
     assert step.config.groups_buckets  # GPU, flat layout, the mean all-reduce hook
-    reductions = {op.buckets: op for op in collective_stats(compiled).ops if op.buckets}
+    ops = collective_stats(compiled).ops
+    reductions = {op.buckets: op for op in ops if op.buckets}
     assert sorted(reductions) == [(b.index,) for b in step.plan.buckets]
+    last = step.plan.buckets[-1].index
     for bucket in step.plan.buckets:  # the gradients themselves, not a packed flat buffer
-        assert sorted(reductions[(bucket.index,)].shapes) == sorted(bucket.shapes)
+        # The last bucket's all-reduce carries the loss too (a scalar), as plain jit's
+        # partitioner merges the loss with a gradient: no all-reduce of its own.
+        loss = [()] if bucket.index == last else []
+        assert sorted(reductions[(bucket.index,)].shapes) == sorted([*bucket.shapes, *loss])
+    assert [op for op in ops if op.kind == "all-reduce" and not op.buckets] == []
     # Packing (the bf16 hook's flat buffer) is what the grouping saves: one buffer each.
     _, packed = compile_step(gpu_mesh, comm_hook="bf16_compress")
     packed_ops = [op for op in collective_stats(packed).ops if op.buckets]
