@@ -27,7 +27,6 @@ from fdp.step._comm_state import NNXCommState
 from fdp.step._linen import DataParallelStep
 from fdp.step._nnx import NNXDataParallelStep
 from fdp.step._policies import Reduction, with_candidate, with_cap
-from fdp.step._state import init_hook_state
 
 DEFAULT_CAPS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
 DEFAULT_LAYOUTS: tuple[str, ...] = ("auto", "flat", "leaves")
@@ -513,35 +512,6 @@ class _TunesAtFirstCall:
         stats = self._settings.get("stats", False)
         self._step_class.__init__(self, step.loss_fn, step._config, stats)
 
-    @staticmethod
-    def _check_hook_state(
-        cfg: Any, hook_state: Any, params: Any, buckets: Any, stacked: bool
-    ) -> None:
-        """Raises if ``hook_state`` (given to the first call) was made for other buckets.
-
-        A stateful hook's state (PowerSGD's) is shaped by the buckets, which the
-        tuning chooses; one made for another cap cannot be used.
-        """
-        if hook_state is None:
-            return
-        expected = jax.eval_shape(
-            lambda p: init_hook_state(cfg, buckets, p, stacked=stacked), params
-        )
-
-        def layout(tree: Any) -> Any:
-            leaves, treedef = jax.tree.flatten(tree)
-            return treedef, [(tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in leaves]
-
-        if layout(expected) != layout(hook_state):
-            raise ValueError(
-                f"comm_state: comm hook {cfg.comm_hook.name!r} keeps state shaped by the "
-                f"buckets, and the tuning chose bucket_cap_mb={cfg.bucket_cap_mb}, "
-                f"layout={cfg.layout!r}; the hook state given was made for other "
-                "buckets (by another step, or a checkpoint of one). Pin that step's cap "
-                "instead of 'auto' (fdp.Reduction(bucket_cap_mb=...)), or start from a state "
-                "whose comm_state is empty (an auto-tuned step's init leaves it empty)."
-            )
-
     def _tune_once(
         self, state: Any, batch: Any, extra: tuple, candidate: Any, copy: Any, shape_of: Any
     ) -> None:
@@ -593,10 +563,6 @@ def _nnx_shape_of(pair: tuple) -> tuple:
     return _shape_of(nnx.state(pair))
 
 
-def _has_hook_state(state: Any) -> bool:
-    return getattr(state, "comm_state", None) is not None
-
-
 class AutoTunedStep(_TunesAtFirstCall, DataParallelStep):
     """``fdp.train_step(bucket_cap_mb="auto")``: a :class:`fdp.DataParallelStep` that tunes.
 
@@ -611,30 +577,11 @@ class AutoTunedStep(_TunesAtFirstCall, DataParallelStep):
     def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
         self._start(loss_fn, make_step, kwargs)
 
-    def init(self, state: Any) -> Any:
-        """Prepares ``state`` as :meth:`fdp.DataParallelStep.init` does, but for one thing.
-
-        A stateful hook's ``comm_state`` is left empty until the first call has
-        tuned: the buckets it is shaped by are not chosen yet. That call fills it.
-        """
-        prepared = super().init(state)
-        if self.tuned is None and _has_hook_state(prepared):
-            prepared = prepared.replace(comm_state=None)
-        return prepared
-
     def __call__(
         self, state: Any, batch: Any, rng: Any = None, mask: Any = None
     ) -> tuple[Any, dict[str, Any]]:
         """Tunes (first call only), then runs the chosen step."""
-        if self.tuned is None:
-            # Each candidate makes its own hook state (its buckets shape it).
-            bare = state.replace(comm_state=None) if _has_hook_state(state) else state
-            self._tune_once(bare, batch, (rng, mask), lambda step: step, _copy, _shape_of)
-            stacked = self.config.per_device_state
-            plan = self._plan(state, batch, rng, mask)
-            self._check_hook_state(
-                self.config, getattr(state, "comm_state", None), state.params, plan.buckets, stacked
-            )
+        self._tune_once(state, batch, (rng, mask), lambda step: step, _copy, _shape_of)
         return super().__call__(state, batch, rng, mask)
 
     def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
@@ -655,32 +602,11 @@ class AutoTunedNNXStep(_TunesAtFirstCall, NNXDataParallelStep):
     def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
         self._start(loss_fn, make_step, kwargs)
 
-    def init(self, model: Any, optimizer: Any, batch: Any = None) -> NNXCommState:
-        """Places the objects as :meth:`fdp.NNXDataParallelStep.init` does; see below.
-
-        With ``batch`` it tunes first, and the returned :class:`fdp.NNXCommState`
-        holds the chosen step's hook state. Without, it is empty until the first
-        call has tuned (the buckets that shape a stateful hook's state are not
-        chosen yet); that call fills it.
-        """
-        if batch is not None:
-            self._tune_once((model, optimizer), batch, (None,), _PairStep, _copy_nnx, _nnx_shape_of)
-        holder = super().init(model, optimizer, batch)
-        return holder if self.tuned is not None else NNXCommState()
-
     def __call__(
         self, model: Any, optimizer: Any, batch: Any, mask: Any = None, *, comm_state: Any = None
     ) -> Any:
         """Tunes (first call only), then runs the chosen step in place."""
-        if self.tuned is None:
-            self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
-            variable = None if comm_state is None else comm_state.comm_state
-            if variable is not None:
-                from flax import nnx
-
-                buckets = self._plan(model, optimizer, batch, mask).buckets
-                params = nnx.state(model, optimizer.wrt)
-                self._check_hook_state(self.config, variable.get_value(), params, buckets, False)
+        self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
         return super().__call__(model, optimizer, batch, mask, comm_state=comm_state)
 
     def lower(

@@ -4,7 +4,6 @@ These tests check what tuning does (candidates, programs, cache, state untouched
 the chosen step's numerics), never which candidate is fastest on this machine.
 """
 
-import dataclasses
 import logging
 
 import jax
@@ -258,91 +257,3 @@ def test_candidates_of_one_state_shape_share_one_copy(caplog):
     assert len(result.step_s) >= 2  # several programs timed ...
     copies = [r.getMessage() for r in caplog.records if "state copies" in r.getMessage()]
     assert copies == [f"fdp.tune: 1 state copies for {len(result.step_s)} timed programs"]
-
-
-def _choose_the_tiny_cap(monkeypatch):
-    # Timings faked: the 200-byte cap always wins, so the tuned buckets differ from the default's.
-    monkeypatch.setattr(_tune, "DEFAULT_CAPS", (0.0002,))
-    monkeypatch.setattr(_tune, "DEFAULT_LAYOUTS", ("flat",))
-
-    def fast(steps_of, states, cands, *rest):
-        return {c: 1.0 if c == _tune._DEFAULT else 0.5 for c in cands}
-
-    monkeypatch.setattr(_tune, "_time_rounds", fast)
-
-
-def _powersgd():
-    return fdp.Reduction(comm_hook=fdp.hooks.powersgd(matrix_approximation_rank=1))
-
-
-def _linen_powersgd_state():
-    import optax
-
-    base = make_state("mlp", "sgd")
-    state = fdp.TrainState.create(apply_fn=base.apply_fn, params=base.params, tx=optax.sgd(0.1))
-    return fdp.replicate(state), cross_entropy(base.apply_fn), fdp.shard_batch(make_data(0, 16))
-
-
-def test_a_stateful_hooks_state_is_made_for_the_tuned_buckets(monkeypatch):
-    # Once, init made PowerSGD's state for DDP's default buckets, and the first call
-    # after tuning to another cap failed: "add got incompatible shapes".
-    _choose_the_tiny_cap(monkeypatch)
-    state, loss_fn, batch = _linen_powersgd_state()
-    auto = dataclasses.replace(_powersgd(), bucket_cap_mb="auto")
-    step = fdp.train_step(loss_fn, reduction=auto)
-    ref_state = jax.tree.map(lambda x: x.copy(), state)
-    state = step.init(state)
-    assert state.comm_state is None  # made once the buckets are chosen
-    for _ in range(2):
-        state, metrics = step(state, batch)
-    assert step.tuned is not None and step.config.bucket_cap_mb == 0.0002
-    ref = fdp.train_step(
-        loss_fn, reduction=dataclasses.replace(_powersgd(), bucket_cap_mb=0.0002, layout="flat")
-    )
-    ref_state = ref.init(ref_state)
-    for _ in range(2):
-        ref_state, ref_metrics = ref(ref_state, batch)
-    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-        jax.device_get((state.params, state.comm_state)),
-        jax.device_get((ref_state.params, ref_state.comm_state)),
-    )
-
-
-def test_a_hook_state_made_for_other_buckets_is_refused_by_name(monkeypatch):
-    _choose_the_tiny_cap(monkeypatch)
-    state, loss_fn, batch = _linen_powersgd_state()
-    state = fdp.train_step(loss_fn, reduction=_powersgd()).init(state)  # 25 MB buckets
-    auto = dataclasses.replace(_powersgd(), bucket_cap_mb="auto")
-    with pytest.raises(ValueError, match=r"comm_state: .*bucket_cap_mb=0.0002"):
-        fdp.train_step(loss_fn, reduction=auto)(state, batch)
-
-
-def test_nnx_auto_step_makes_the_hook_state_for_the_tuned_buckets(monkeypatch):
-    from flax import nnx
-
-    _choose_the_tiny_cap(monkeypatch)
-    make, loss_fn, batch = _nnx_setup()
-    auto = dataclasses.replace(_powersgd(), bucket_cap_mb="auto")
-    ref = fdp.nnx_train_step(
-        loss_fn, reduction=dataclasses.replace(_powersgd(), bucket_cap_mb=0.0002, layout="flat")
-    )
-    ref_model, ref_optimizer = make()
-    ref_comm = ref.init(ref_model, ref_optimizer)
-    for _ in range(2):
-        ref_metrics = ref(ref_model, ref_optimizer, batch, comm_state=ref_comm)
-    for with_batch in (False, True):  # init tunes when it is given a batch
-        model, optimizer = make()
-        step = fdp.nnx_train_step(loss_fn, reduction=auto)
-        comm = step.init(model, optimizer, batch if with_batch else None)
-        assert (comm.comm_state is not None) == with_batch
-        for _ in range(2):
-            metrics = step(model, optimizer, batch, comm_state=comm)
-        assert step.config.bucket_cap_mb == 0.0002
-        np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-            jax.device_get((nnx.state(model, nnx.Param), comm.comm_state.get_value())),
-            jax.device_get((nnx.state(ref_model, nnx.Param), ref_comm.comm_state.get_value())),
-        )
