@@ -179,6 +179,9 @@ class NNXDataParallelStep(Step):
         )
         self._placed = False
         self._stateful_hook: bool | None = None  # known once hook state was made
+        # Set once a comm_state was handed out (init) or given (a call): from then on a
+        # stateful hook's calls must all be given it.
+        self._holder_given = False
 
     def _plan(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mask: Any) -> StepPlan:
         cfg = self.config
@@ -211,6 +214,7 @@ class NNXDataParallelStep(Step):
         buckets = self._check_and_place(model, optimizer, batch)
         holder = NNXCommState()
         self._fill(model, optimizer, buckets, holder)
+        self._holder_given = True
         return holder
 
     def _check_and_place(
@@ -354,6 +358,15 @@ class NNXDataParallelStep(Step):
             ``DeprecationWarning``.
         """
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
+        if comm_state is not None:
+            self._holder_given = True
+        elif self._holder_given and self._stateful_hook:
+            raise ValueError(
+                f"comm_state: comm hook {self.config.comm_hook.name!r} keeps its state in the "
+                "fdp.NNXCommState this step made or was given before; pass it on every call "
+                "(step(model, optimizer, batch, comm_state=comm_state)), got None. Without "
+                "it the hook would start again from a fresh state."
+            )
         objects = (model, optimizer, comm_state)
         plan, graphdef, comm, state = self._prepare_call(objects, batch, mask)
         (comm, state), metrics = self._run(plan, graphdef, (comm, state), batch, None, mask)
@@ -369,7 +382,13 @@ class NNXDataParallelStep(Step):
         *,
         comm_state: NNXCommState | None = None,
     ) -> Any:
-        """The lowered step, without running it (``comm_state`` as in a call)."""
+        """The lowered step, without running it (``comm_state`` as in a call).
+
+        Without ``comm_state`` a stateful hook's state is made for the lowering
+        alone: nothing is added to ``optimizer``.
+        """
+        if comm_state is None and not hasattr(optimizer, LEGACY_ATTR):
+            comm_state = NNXCommState()  # for this lowering only
         plan, graphdef, comm, state = self._prepare_call(
             (model, optimizer, comm_state), batch, mask
         )
@@ -428,10 +447,11 @@ def _check_comm_state(optimizer: nnx.Optimizer, holder: Any) -> None:
     if hasattr(optimizer, LEGACY_ATTR):
         raise ValueError(
             "comm_state was given, and the optimizer also holds a comm hook's state as "
-            "fdp 0.1 kept it (optimizer.fdp_comm_state): the step would not know which to "
-            "use. Restore the checkpoint into a fresh (model, optimizer, comm_state) with "
-            "comm_state = step.init(model, optimizer): fdp moves the saved hook state into "
-            "comm_state."
+            "fdp 0.1 kept it (optimizer.fdp_comm_state, set by a step called without "
+            "comm_state=, or restored from such a checkpoint): the step would not know which "
+            "to use. Pass comm_state= on every call; to keep the saved state, restore the "
+            "checkpoint into a fresh (model, optimizer, comm_state) with comm_state = "
+            "step.init(model, optimizer): fdp moves it into comm_state."
         )
 
 

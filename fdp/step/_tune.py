@@ -21,12 +21,14 @@ from typing import Any, NamedTuple
 import jax
 
 from fdp.backends import release_free_memory
+from fdp.bucketing import plan_for
 from fdp.data._abstract import is_abstract
 from fdp.observe._debug import logger
 from fdp.step._comm_state import NNXCommState
 from fdp.step._linen import DataParallelStep
 from fdp.step._nnx import NNXDataParallelStep
 from fdp.step._policies import Reduction, with_candidate, with_cap
+from fdp.step._state import hook_is_stateful
 
 DEFAULT_CAPS: tuple[float, ...] = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0)
 DEFAULT_LAYOUTS: tuple[str, ...] = ("auto", "flat", "leaves")
@@ -531,6 +533,27 @@ class _TunesAtFirstCall:
         self._become(chosen)
 
 
+def _refuse_stateful_hook(cfg: Any, params: Any) -> None:
+    """Raises if the comm hook keeps state between steps: tuning would choose its shape.
+
+    A stateful hook's state (PowerSGD's error feedback and factors) is shaped by
+    the buckets. With ``"auto"`` the buckets are chosen by timing, at the first
+    call of each run: a checkpoint's hook state would fit only a resumed run that
+    happened to choose the same cap, and the state made before tuning (``init``)
+    none but the default's.
+    """
+    buckets = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+    if hook_is_stateful(cfg, buckets):
+        raise ValueError(
+            f"reduction: bucket_cap_mb='auto' with comm hook {cfg.comm_hook.name!r}, which "
+            "keeps state shaped by the buckets: the cap tuning chooses can differ from run "
+            "to run, and a checkpoint's hook state would not fit a resumed run. Tune once, "
+            "result = fdp.tune(loss_fn, state, batch), and pin its cap, "
+            "fdp.Reduction(bucket_cap_mb=result.bucket_cap_mb, layout=result.layout, "
+            "comm_hook=...); or use a hook without state."
+        )
+
+
 class _PairStep:
     """An NNX step in :func:`_tune`'s calling convention, on a ``(model, optimizer)`` pair.
 
@@ -557,6 +580,12 @@ def _copy_nnx(pair: tuple) -> tuple:
     return nnx.merge(graphdef, _copy(state))
 
 
+def _nnx_params(model: Any, optimizer: Any) -> Any:
+    from flax import nnx
+
+    return nnx.state(model, optimizer.wrt)
+
+
 def _nnx_shape_of(pair: tuple) -> tuple:
     from flax import nnx
 
@@ -577,15 +606,28 @@ class AutoTunedStep(_TunesAtFirstCall, DataParallelStep):
     def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
         self._start(loss_fn, make_step, kwargs)
 
+    def init(self, state: Any) -> Any:
+        """Prepares ``state`` as :meth:`fdp.DataParallelStep.init` does.
+
+        Raises:
+          ValueError: the comm hook keeps state (its shape would depend on the tuning).
+        """
+        _refuse_stateful_hook(self.config, state.params)
+        return super().init(state)
+
     def __call__(
         self, state: Any, batch: Any, rng: Any = None, mask: Any = None
     ) -> tuple[Any, dict[str, Any]]:
         """Tunes (first call only), then runs the chosen step."""
+        if self.tuned is None:
+            _refuse_stateful_hook(self.config, state.params)
         self._tune_once(state, batch, (rng, mask), lambda step: step, _copy, _shape_of)
         return super().__call__(state, batch, rng, mask)
 
     def lower(self, state: Any, batch: Any, rng: Any = None, mask: Any = None) -> Any:
         """Tunes (if not yet), then lowers the chosen step."""
+        if self.tuned is None:
+            _refuse_stateful_hook(self.config, state.params)
         self._tune_once(state, batch, (rng, mask), lambda step: step, _copy, _shape_of)
         return super().lower(state, batch, rng, mask)
 
@@ -602,10 +644,21 @@ class AutoTunedNNXStep(_TunesAtFirstCall, NNXDataParallelStep):
     def __init__(self, loss_fn: Callable[..., Any], make_step: Callable[..., Any], **kwargs: Any):
         self._start(loss_fn, make_step, kwargs)
 
+    def init(self, model: Any, optimizer: Any, batch: Any = None) -> NNXCommState:
+        """Places the objects as :meth:`fdp.NNXDataParallelStep.init` does.
+
+        Raises:
+          ValueError: the comm hook keeps state (its shape would depend on the tuning).
+        """
+        _refuse_stateful_hook(self.config, _nnx_params(model, optimizer))
+        return super().init(model, optimizer, batch)
+
     def __call__(
         self, model: Any, optimizer: Any, batch: Any, mask: Any = None, *, comm_state: Any = None
     ) -> Any:
         """Tunes (first call only), then runs the chosen step in place."""
+        if self.tuned is None:
+            _refuse_stateful_hook(self.config, _nnx_params(model, optimizer))
         self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
         return super().__call__(model, optimizer, batch, mask, comm_state=comm_state)
 
@@ -613,5 +666,7 @@ class AutoTunedNNXStep(_TunesAtFirstCall, NNXDataParallelStep):
         self, model: Any, optimizer: Any, batch: Any, mask: Any = None, *, comm_state: Any = None
     ) -> Any:
         """Tunes (if not yet), then lowers the chosen step."""
+        if self.tuned is None:
+            _refuse_stateful_hook(self.config, _nnx_params(model, optimizer))
         self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
         return super().lower(model, optimizer, batch, mask, comm_state=comm_state)

@@ -161,6 +161,25 @@ def test_nnx_without_comm_state_keeps_fdp_0_1s_place_with_a_deprecation_warning(
         step(old_model, old_opt, fdp.shard_batch(make_data(3, 16)), comm_state={})
 
 
+def test_nnx_a_call_without_its_comm_state_is_refused_and_lower_adds_nothing():
+    # Once, a call without comm_state= made a fresh hook state on the optimizer (fdp
+    # 0.1's place): PowerSGD restarted silently, and the next correct call was refused.
+    hook = hooks.powersgd(matrix_approximation_rank=1, start_powersgd_iter=2)
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = fdp.nnx_train_step(nnx_loss, reduction=fdp.Reduction(comm_hook=hook))
+    comm = step.init(model, opt)
+    batch = fdp.shard_batch(make_data(0, 16))
+    step(model, opt, batch, comm_state=comm)
+    step.lower(model, opt, batch)  # an inspection without comm_state: nothing added
+    assert not hasattr(opt, "fdp_comm_state")
+    with pytest.raises(ValueError, match=r"comm_state: .*pass it on every call"):
+        step(model, opt, batch)
+    assert not hasattr(opt, "fdp_comm_state") and int(opt.step[...]) == 1
+    step(model, opt, batch, comm_state=comm)
+    assert comm.comm_state.get_value()["iter"].tolist() == [2] * 8
+
+
 def test_nnx_rejects_hooks_whose_replicas_diverge():
     with pytest.raises(ValueError, match="lets replicas diverge.*Use fdp.train_step"):
         fdp.nnx_train_step(nnx_loss, comm_hook="noop")

@@ -257,3 +257,42 @@ def test_candidates_of_one_state_shape_share_one_copy(caplog):
     assert len(result.step_s) >= 2  # several programs timed ...
     copies = [r.getMessage() for r in caplog.records if "state copies" in r.getMessage()]
     assert copies == [f"fdp.tune: 1 state copies for {len(result.step_s)} timed programs"]
+
+
+def test_a_hook_that_keeps_state_is_refused_with_the_fix_named():
+    # Its state is shaped by the buckets, which tuning picks per run: once, init made it
+    # for the default cap and a tuned call failed ("add got incompatible shapes"), and a
+    # checkpoint's hook state would not fit a resumed run that tuned another cap.
+    import optax
+
+    base = make_state("mlp", "sgd")
+    state = fdp.TrainState.create(apply_fn=base.apply_fn, params=base.params, tx=optax.sgd(0.1))
+    state, loss_fn, batch = fdp.replicate(state), cross_entropy(base.apply_fn), setup()[2]
+    hook = fdp.hooks.powersgd(matrix_approximation_rank=1)
+    auto = fdp.Reduction(bucket_cap_mb="auto", comm_hook=hook)
+    fix = r"bucket_cap_mb='auto' with comm hook 'powersgd.*fdp\.tune"
+    step = fdp.train_step(loss_fn, reduction=auto)
+    for call in (
+        lambda: step.init(state),
+        lambda: step(state, batch),
+        lambda: step.lower(state, batch),
+    ):
+        with pytest.raises(ValueError, match=fix):
+            call()
+    assert step.tuned is None  # refused before any timing
+
+    make, nnx_loss, nnx_batch = _nnx_setup()
+    model, optimizer = make()
+    nnx_step = fdp.nnx_train_step(nnx_loss, reduction=auto)
+    for call in (
+        lambda: nnx_step.init(model, optimizer),
+        lambda: nnx_step(model, optimizer, nnx_batch),
+        lambda: nnx_step.lower(model, optimizer, nnx_batch),
+    ):
+        with pytest.raises(ValueError, match=fix):
+            call()
+    assert not hasattr(optimizer, "fdp_comm_state")
+    # A hook without state tunes as before.
+    fdp.train_step(
+        loss_fn, reduction=fdp.Reduction(bucket_cap_mb="auto", comm_hook="bf16_compress")
+    )
