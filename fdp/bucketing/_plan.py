@@ -97,6 +97,13 @@ class BucketPlan:
         """Total bytes over all buckets."""
         return sum(b.nbytes for b in self.buckets)
 
+    def leaf_structs(self) -> list[jax.ShapeDtypeStruct]:
+        """Every leaf of the planned tree as a ``jax.ShapeDtypeStruct``, in leaf order."""
+        return [
+            jax.ShapeDtypeStruct(s, d)
+            for s, d in zip(self.leaf_shapes, self.leaf_dtypes, strict=True)
+        ]
+
     def as_lists(self) -> list[list[int]]:
         """Leaf indices of every bucket, in reduce order."""
         return [list(b.leaf_indices) for b in self.buckets]

@@ -124,11 +124,7 @@ def hierarchical(
                 )
             return outer.init(params, plan)
         shares = share_plan(plan, inner_size)
-        structs = [
-            jax.ShapeDtypeStruct(s, d)
-            for s, d in zip(shares.leaf_shapes, shares.leaf_dtypes, strict=True)
-        ]
-        return outer.init(structs, shares)
+        return outer.init(shares.leaf_structs(), shares)
 
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
         outer_axis, inner_axis = split_axis(bucket.axis_name, f"hook {name!r}")

@@ -183,11 +183,7 @@ def hybrid(outer_hook: CommHook, *, inner_size: int) -> CommHook:
 
     def init(params: Any, plan: BucketPlan) -> HookState:
         hops = hop_plan(plan, inner_size)
-        structs = [
-            jax.ShapeDtypeStruct(s, d)
-            for s, d in zip(hops.leaf_shapes, hops.leaf_dtypes, strict=True)
-        ]
-        return outer.init(structs, hops)
+        return outer.init(hops.leaf_structs(), hops)
 
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
         outer_axis, inner_axis = split_axis(bucket.axis_name, f"hook {name!r}")

@@ -157,13 +157,7 @@ def unstacked(tree: Any) -> Any:
 @functools.lru_cache(maxsize=64)
 def hook_is_stateful(config: StepConfig, buckets: BucketPlan) -> bool:
     """Whether the comm hook keeps state between steps (its ``init`` returns arrays)."""
-    params = jax.tree.unflatten(
-        buckets.treedef,
-        [
-            jax.ShapeDtypeStruct(s, d)
-            for s, d in zip(buckets.leaf_shapes, buckets.leaf_dtypes, strict=True)
-        ],
-    )
+    params = jax.tree.unflatten(buckets.treedef, buckets.leaf_structs())
     return has_leaves(jax.eval_shape(lambda p: config.hook.init(p, buckets), params))
 
 
