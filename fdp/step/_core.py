@@ -225,6 +225,7 @@ def reduce_step(
     )
     # Gradients of parameters cast for compute return to the master dtypes.
     local = out.grads if low is None else master_gradients(out.grads, master)
+    loss_key = None  # the combiner key the loss's all-reduce joins (GPU, grouped buckets)
     if config.hybrid:  # inside each host (in the backward pass, per use), then across hosts
         grads, hook_state = reduce_hybrid(
             config.comm_hook,
@@ -253,13 +254,14 @@ def reduce_step(
             shard_dims=dims if config.scatters_gradients else None,
             grouped=config.groups_buckets,
         )
+        if config.groups_buckets and plan.buckets.buckets:  # one collective fewer
+            loss_key = bucket_key(plan.buckets.buckets[-1].index)
     keep = None
     if tracked and (plan.usage.unused or plan.usage.conditional):
         keep = tuple(untouched_flags(plan.usage, out.used, axis))
-    # On GPU the loss's all-reduce joins the last bucket's (one collective fewer).
-    grouped = config.groups_buckets and not (config.hybrid or per_use or in_loop)
-    last = bucket_key(plan.buckets.buckets[-1].index) if grouped and plan.buckets.buckets else None
-    metrics = reduce_metrics(out.global_loss(axis, combine_with=last), out.aux, axis, out.aux_rows)
+    metrics = reduce_metrics(
+        out.global_loss(axis, combine_with=loss_key), out.aux, axis, out.aux_rows
+    )
     if config.reduction.grad_norm:  # each device may hold its share of split leaves
         shared = per_use or config.scatters_gradients
         metrics[0]["grad_norm"] = global_norm(grads, dims if shared else None, shard)
