@@ -116,12 +116,40 @@ def abstract_state(bench, tx):
     return jax.eval_shape(make)
 
 
-def with_shardings(state, stage, mesh):
-    """Abstract state carrying the shardings fdp gives it at ``stage``."""
+def first_divisible(shape, n: int):
+    """The first dimension of ``shape`` that ``n`` divides, or None: plain jit FSDP's rule.
+
+    The simplest FSDP layout to write by hand (a layer stack split along its layer
+    axis). The plain jit rows use it, not fdp's rule, so that they stay the same
+    baseline whatever layout fdp picks.
+    """
+    return next((d for d, size in enumerate(shape) if size % n == 0 and size >= n), None)
+
+
+def simple_shardings(tree, mesh):
+    """``tree``'s leaves' ``NamedSharding``s under :func:`first_divisible` over 'data'."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+
+    def one(x):
+        d = first_divisible(x.shape, n)
+        return NamedSharding(mesh, P() if d is None else P(*([None] * d), "data"))
+
+    return jax.tree.map(one, tree)
+
+
+def with_shardings(state, stage, mesh, simple: bool = False):
+    """Abstract state carrying the shardings fdp gives it at ``stage``.
+
+    ``simple``: split by :func:`first_divisible` instead of fdp's rule (plain jit rows).
+    """
     from fdp.step import _zero
 
     def put(tree, sharded):
-        target = _zero.shardings(tree, mesh, "data") if sharded else _zero.replicated(tree, mesh)
+        rule = simple_shardings if simple else lambda t, m: _zero.shardings(t, m, "data")
+        target = rule(tree, mesh) if sharded else _zero.replicated(tree, mesh)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, target
         )
@@ -331,14 +359,12 @@ def split_off_layer_axis(state, depth: int, mesh):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fdp.step import _zero
-
     n = mesh.devices.size
 
     def split(x):
         if len(x.shape) < 2 or x.shape[0] != depth:
             return x
-        d = _zero.shard_dim(x.shape[1:], n)
+        d = first_divisible(x.shape[1:], n)
         spec = P() if d is None else P(*([None] * (d + 1)), "data")
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
@@ -358,7 +384,9 @@ def compile_mode(dim: int, mode: str, family: dict, mesh, scanned: bool = False)
     bench = bench_for(dim, family["depth"], family["vocab"], family["seq"], scanned)
     abstract = abstract_state(bench, bench.tx())
     batch = token_batch(mesh, family["per_device"] * mesh.devices.size, family["seq"])
-    state = with_shardings(abstract, STAGE_OF.get(mode, 3), mesh)
+    state = with_shardings(
+        abstract, STAGE_OF.get(mode, 3), mesh, simple=mode.startswith("plain jit FSDP")
+    )
     if mode in SCANNED_ONLY:
         state = split_off_layer_axis(state, family["depth"], mesh)
     if mode.startswith("plain jit FSDP"):

@@ -60,18 +60,13 @@ def compile_per_use(dim: int, ahead: int, in_flight: int):
 
 def gathers(compiled) -> dict[str, list[int]]:
     """Gemm fusions between start and done of each all-gather, forward and backward."""
-    from fdp.observe._schedule import _computations, read_schedule
+    from fdp.observe._schedule import read_schedule
 
-    text = compiled.as_text()
-    comps, entry = _computations(text)
-    assert entry is not None
-    lines = comps[entry]
     out: dict[str, list[int]] = {"forward": [], "backward": []}
-    for c in read_schedule(text, "h100_sxm").collectives:
+    for c in read_schedule(compiled, "h100_sxm").collectives:
         if c.kind == "all-gather":
             # The backward pass's gathers are traced in the transpose of the custom VJP.
-            side = "backward" if "transpose(" in lines[c.position] else "forward"
-            out[side].append(c.products_in_flight)
+            out["backward" if c.backward else "forward"].append(c.products_in_flight)
     return out
 
 

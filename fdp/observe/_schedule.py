@@ -54,6 +54,8 @@ class ScheduledCollective:
         start and its done: how far ahead of its use a gather starts.
       seconds: its time alone on the link.
       exposed_seconds: the time the compute stream waited for it.
+      backward: traced in a transpose (its metadata's ``op_name`` says
+        ``transpose(``): the backward pass's, not the forward pass's.
     """
 
     kind: str
@@ -66,6 +68,7 @@ class ScheduledCollective:
     exposed_seconds: float
     flops_after_start: float = 0.0
     products_in_flight: int = 0
+    backward: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +242,15 @@ def read_schedule(program: Any, target: Any) -> Schedule:
             clock["t"] = clock["link"]
         collectives.append(
             ScheduledCollective(
-                op.kind, bucket_indices(line), op.nbytes, op.sent_bytes, where, 0.0, alone, waited
+                op.kind,
+                bucket_indices(line),
+                op.nbytes,
+                op.sent_bytes,
+                where,
+                0.0,
+                alone,
+                waited,
+                backward="transpose(" in line,
             )
         )
 

@@ -1,7 +1,9 @@
 """ZeRO: which arrays a step keeps sharded over the data axis, and how.
 
 One rule decides every leaf, from its shape alone: a leaf is split along its
-first dimension that the number of devices ``N`` divides; a leaf with no such
+first dimension that the number of devices ``N`` divides (past the leading one
+of a leaf of three or more dimensions, a layer stack's layer axis, where a
+later one qualifies: :func:`shard_dim`); a leaf with no such
 dimension (a scalar, a bias of 10 on 8 devices) stays whole on every device,
 except in the optimizer state, where a leaf of at least ``N`` elements is kept
 padded with zeros and split (:mod:`fdp.step._padding`).
@@ -64,16 +66,25 @@ def check_stage(stage: Any) -> int:
 def shard_dim(shape: Sequence[int], n: int) -> int | None:
     """The dimension a leaf of ``shape`` is split along over ``n`` devices, or None.
 
+    The first dimension ``n`` divides, except that a leaf of three or more
+    dimensions skips its leading one where a later one qualifies: a layer stack
+    (``nn.scan``/``nnx.scan``, ``[L, d_in, d_out]``) then holds a share of every
+    layer, so a loop over it gathers one layer per trip from the state as it is
+    (split along the layer axis, each device would hold whole layers, and the
+    step would first re-split the stack into a second copy).
+
     Example:
       >>> shard_dim((10, 16), 8), shard_dim((10,), 8), shard_dim((), 8)
       (1, None, None)
+      >>> shard_dim((8, 512, 2048), 8), shard_dim((8, 3, 5), 8), shard_dim((16, 24), 8)
+      (1, 0, 0)
     """
     if n <= 1:
         return None
-    for d, size in enumerate(shape):
-        if size % n == 0 and size >= n:
-            return d
-    return None
+    fits = [d for d, size in enumerate(shape) if size % n == 0 and size >= n]
+    if len(shape) >= 3 and any(d > 0 for d in fits):
+        return next(d for d in fits if d > 0)
+    return fits[0] if fits else None
 
 
 def spec(shape: Sequence[int], n: int, axis_name: AxisName) -> P:

@@ -255,12 +255,13 @@ def test_stage_3_per_use_starts_gathers_while_earlier_layers_compute(gpu_mesh):
     tokens = jax.ShapeDtypeStruct((16, 128), jnp.int32, sharding=NamedSharding(gpu_mesh, P("data")))
     compiled = step.lower(state, {"x": tokens, "y": tokens}).compile()
     gathers = [c for c in read_schedule(compiled, "h100_sxm").collectives if c.kind == "all-gather"]
-    ahead = [c.products_in_flight for c in gathers]
-    # Tied to its own use's inputs, a gather had nothing to hide behind: 9 of the 200
-    # gathers of benchmarks/zero_prefetch.py's GPT had a gemm in flight; with prefetch
-    # (16 uses ahead, 4 collectives in flight), 114 (101 of 134 forward ones), up to 5
-    # gemms ahead of their use.
-    assert sum(n > 0 for n in ahead) > len(ahead) / 3, sorted(ahead)
+    ahead = [c.products_in_flight for c in gathers if not c.backward]
+    assert len(ahead) > len(gathers) / 2  # one forward gather per leaf, backward ones fewer
+    # Prefetch moves the forward pass's gathers. Tied to its own use's inputs, a forward
+    # gather had nothing to hide behind: 8 of the 134 forward gathers of
+    # benchmarks/zero_prefetch.py's GPT had a gemm in flight; with prefetch (16 uses
+    # ahead, 4 collectives in flight) 101, up to 5 gemms ahead of their use. Here 24 of 53.
+    assert sum(n > 0 for n in ahead) > 0.4 * len(ahead), sorted(ahead)
     assert max(ahead) >= 3, sorted(ahead)
 
 

@@ -189,3 +189,37 @@ def test_a_save_that_fails_hides_no_older_step(tmp_path, async_save):
         assert ckpt.all_steps() == [2, 3]  # nothing was deleted, nothing is hidden
         restored = ckpt.restore({"w": jnp.zeros(2)}, step=2)
         np.testing.assert_array_equal(restored.state["w"], [2.0, 2.0])
+
+
+def test_a_stage_3_stack_saved_along_its_layer_axis_restores_into_todays_layout(tmp_path):
+    """fdp split a stack [8, 16, 16] along its layer axis until 2026-11-26; now along dim 1."""
+    import optax
+
+    rng = np.random.default_rng(0)
+    stack = jnp.asarray(rng.normal(size=(8, 16, 16)) * 0.3, jnp.float32)
+
+    def make():
+        return TrainState.create(apply_fn=None, params={"stack": stack}, tx=optax.adam(1e-2))
+
+    def loss(params, batch):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch["x"], params["stack"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    mesh = fdp.data_mesh()
+    old = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if np.ndim(x) == 3 else P())),
+        make(),
+    )
+    assert old.opt_state[0].mu["stack"].sharding.spec == P("data")
+    step = fdp.train_step(loss, sharding=fdp.Sharding(zero_stage=3))
+    batch = {k: rng.normal(size=(32, 16)).astype("f4") for k in ("x", "y")}
+    with fdp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(0, old)
+        restored = ckpt.restore(step.abstract_init(make)).state
+    assert restored.params["stack"].sharding.spec == P(None, "data")
+    assert restored.opt_state[0].mu["stack"].sharding.spec == P(None, "data")
+    np.testing.assert_array_equal(restored.params["stack"], stack)
+    after, _ = step(restored, fdp.shard_batch(batch))
+    fresh, _ = step(fdp.replicate(make()), fdp.shard_batch(batch))
+    assert_same(after.params, fresh.params)
+    assert_same(after.opt_state, fresh.opt_state)
