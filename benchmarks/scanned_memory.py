@@ -6,8 +6,10 @@ GPT-style transformer whose blocks are one ``nn.scan(nn.remat(Block))`` stack, f
 
 - fdp stage 0, and plain ``jit`` data parallelism (parameters and Adam state
   replicated, the batch sharded over ``'data'``; XLA's SPMD partitioner);
+- fdp stage 2 (each layer's gradient reduce-scattered in the backward loop);
 - fdp stage 3 (per-use gathers, a layer per loop iteration), and plain ``jit`` FSDP
-  (parameters and Adam state sharded over ``'data'`` as fdp shards them).
+  (parameters and Adam state sharded over ``'data'``, each leaf along its first
+  dimension the devices divide: :func:`zero.first_divisible`).
 
     python benchmarks/scanned_memory.py --json benchmarks/results/scanned_memory.json
 """
@@ -24,7 +26,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-MODES = ("fdp stage 0", "plain jit DP", "fdp stage 3", "plain jit FSDP")
+MODES = ("fdp stage 0", "plain jit DP", "fdp stage 2", "fdp stage 3", "plain jit FSDP")
 
 
 def scanned_bench(dim: int, depth: int, vocab: int, seq: int):
@@ -76,11 +78,11 @@ def peak(bench, mode: str, rows: int) -> tuple[dict[str, int], int]:
     abstract = abstract_state(bench, bench.tx())
     count = param_count(abstract.params)
     if mode.startswith("fdp"):
-        stage = 0 if mode == "fdp stage 0" else 3
+        stage = int(mode[-1])
         step = fdp.train_step(bench.loss_fn, sharding=fdp.Sharding(zero_stage=stage))
         batch = fdp.shard_batch(bench.make_batch(rows, 0))
         return compiled_memory_of(step.lower(with_shardings(abstract, stage, mesh), batch)), count
-    state = with_shardings(abstract, 3 if mode == "plain jit FSDP" else 0, mesh)
+    state = with_shardings(abstract, 3 if mode == "plain jit FSDP" else 0, mesh, simple=True)
     tokens = jax.ShapeDtypeStruct(
         bench.make_batch(rows, 0)["x"].shape,
         jax.numpy.int32,

@@ -460,14 +460,19 @@ class StepConfig:
 
     @property
     def reduces_scanned_in_loop(self) -> bool:
-        """Whether stage 0 reduces a scanned layer stack inside the backward loop.
+        """Whether a scanned layer stack's gradient is reduced inside the backward loop.
 
-        :mod:`fdp.step._scanned`: with the plain mean all-reduce (no hook to
-        run), one micro-batch (more would reduce in each) and replication
-        tracking (the reduction is the transpose of a typed cast).
+        :mod:`fdp.step._scanned`: all-reduced at stage 0, reduce-scattered at
+        stages 1-2 (not with HSDP, whose hook runs between hosts after the
+        backward pass); with the plain mean all-reduce (no hook to run), one
+        micro-batch (more would reduce in each) and replication tracking (the
+        reduction is the transpose of a typed cast).
         """
+        stage = self.zero_stage == 0 or (
+            self.zero_stage in (1, 2) and self.scatters_gradients and not self.hybrid
+        )
         return (
-            self.zero_stage == 0
+            stage
             and self.accumulate_steps == 1
             and self.check_vma
             and is_mean_reduce_scatter(reduce_scatter_of(self.hook))

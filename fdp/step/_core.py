@@ -34,7 +34,7 @@ from fdp.step._mixed import cast_floats, compute_in, master_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
-from fdp.step._scanned import reduced_in_loop
+from fdp.step._scanned import finish_scattered, reduced_in_loop, scattered_in_loop, shares
 from fdp.step._usage import untouched_flags
 from fdp.step._zero import bucket_shard_dims, gather_params
 
@@ -204,12 +204,23 @@ def reduce_step(
         )
     elif low is not None:  # whole: cast where the loss reads them
         objective = compute_in(objective, low)
-    in_loop = plan.scanned  # layer stacks: stage 0 reduces them in the backward loop
-    if in_loop:
-        objective = reduced_in_loop(objective, in_loop, axis)
+    # Layer stacks, reduced in the backward loop: all-reduced at stage 0; at stages 1-2
+    # reduce-scattered, where split along a later axis than the layer axis.
+    in_loop = plan.scanned
+    scattered: dict[int, int] = {}  # stages 1-2: leaf -> the dimension it is split along
+    if in_loop and config.scatters_gradients:
+        scattered = {i: d for i in in_loop if (d := dims[i])}
+        leaves = jax.tree.leaves(params)
+        wholes = {i: leaves[i] for i in scattered}
+        objective, in_loop = scattered_in_loop(objective, wholes, scattered, axis), ()
+        inputs = shares(params, scattered, axis)
+    else:
+        if in_loop:
+            objective = reduced_in_loop(objective, in_loop, axis)
+        inputs = _per_device(params, in_loop, axis)
     out = local_gradients(
         objective,
-        _per_device(params, in_loop, axis),
+        inputs,
         batch,
         buffers,
         axis_name=axis,
@@ -239,6 +250,15 @@ def reduce_step(
         )
     elif per_use:  # reduce-scattered in the backward pass already
         grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
+    elif scattered:  # stacks reduce-scattered in the backward loop; the rest per bucket
+        grads = finish_scattered(
+            out.grads,
+            plan.buckets,
+            dims,
+            frozenset(scattered),
+            axis,
+            flat=config.bound_layout == "flat",
+        )
     elif in_loop:  # summed in the backward loop already; the rest all-reduced as usual
         summed = tuple(0 if i in in_loop else None for i in range(len(dims)))
         grads = finish_gradients(out.grads, plan.buckets, summed, axis, n)

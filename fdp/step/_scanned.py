@@ -1,4 +1,4 @@
-"""Scanned layer stacks at stage 0: each layer's gradient reduced inside the backward loop.
+"""Scanned layer stacks at stages 0-2: each layer's gradient reduced inside the backward loop.
 
 A model whose layers are one ``nn.scan``/``nnx.scan`` stack has one stacked
 parameter per leaf (a leading layer axis), used by one ``scan``. DDP's step
@@ -18,6 +18,15 @@ in the backward loop, once per layer: the gradient leaves the loop reduced.
 :func:`fdp.step._per_use.finish_gradients` divides it by ``N`` and all-reduces
 every other leaf bucket by bucket, as the default hook does.
 
+At ZeRO stages 1-2 each device keeps only its share of the reduced gradients.
+The stack stays replicated for the loss to read, and the gradient is taken with
+respect to this device's share of it (:func:`shares`) through a cast whose
+transpose is a reduce-scatter (:func:`_scattered_gradient`); re-built the same
+way, the backward loop reduce-scatters each layer's gradient as it produces it
+(:func:`scattered_in_loop`), and :func:`finish_scattered` divides the shares by
+``N`` and reduce-scatters every other leaf bucket by bucket. A stack split along
+its layer axis has no per-layer share and is reduced after the loop.
+
 Only with the plain mean all-reduce (the default hook or ``allreduce``), one
 micro-batch (``accumulate_steps=1``: with more, each micro-batch would reduce,
 where DDP reduces once after ``no_sync``) and replication tracking
@@ -26,6 +35,8 @@ where DDP reduces once after ``no_sync``) and replication tracking
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,8 +44,11 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from fdp import _compat as compat
-from fdp.collectives import vary
+from fdp.bucketing import BucketPlan
+from fdp.collectives import axis_size, vary
 from fdp.collectives._axis import AxisName
+from fdp.hooks._bucketed import no_gradient
+from fdp.hooks._contract import mean_reduce_scatter
 from fdp.step._local_grads import Objective
 from fdp.step._per_use import Use, _interpret, _Lazy, _merge
 
@@ -99,6 +113,145 @@ def _made(eqn: Any, values: list[Any]) -> list[Any]:
     return jax.checkpoint(apply, prevent_cse=False)(others, shards)
 
 
+def _own_share(x: Any, dim: int, axis_name: AxisName) -> Any:
+    """This device's block of the replicated ``x`` along ``dim`` (its ZeRO share)."""
+    size = x.shape[dim] // axis_size(axis_name)
+    start = jax.lax.axis_index(axis_name) * size
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _scattered_gradient(whole: Any, share: Any, dim: int, axis_name: AxisName) -> Any:
+    """``whole`` made per-device; the gradient goes to ``share``, reduce-scattered along ``dim``.
+
+    ``whole`` is a replicated parameter (no gradient of its own), ``share`` this
+    device's block of it: the transpose of the cast is the sum over the data
+    axis of the cotangents, of which this device keeps its block.
+    """
+    return vary(whole, axis_name)
+
+
+def _scattered_fwd(whole: Any, share: Any, dim: int, axis_name: AxisName) -> tuple[Any, None]:
+    return vary(whole, axis_name), None
+
+
+def _scattered_bwd(dim: int, axis_name: AxisName, _: None, ct: Any) -> tuple[None, Any]:
+    return None, jax.lax.psum_scatter(ct, axis_name, scatter_dimension=dim, tiled=True)
+
+
+_scattered_gradient.defvjp(_scattered_fwd, _scattered_bwd)
+
+
+def _scattered(whole: Any, share: Any, dim: int, axis_name: AxisName) -> _Lazy:
+    """``whole`` made per-device lazily, its gradient reduce-scattered into ``share``.
+
+    Scanned over, each layer's slice is made so in the loop body (``dim`` then
+    counts from the layer's own axes); a stack split along its layer axis
+    (``dim`` 0) has no per-layer share and is made whole before its loop.
+    """
+
+    def layers() -> tuple[Any, Any] | None:
+        if dim == 0:
+            return None
+        return (whole, share), lambda part: _scattered(part[0], part[1], dim - 1, axis_name)
+
+    return _Lazy((whole, share), lambda s: _scattered_gradient(s[0], s[1], dim, axis_name), layers)
+
+
+def _rerun(objective: Objective, typed: list[Any], lazy: dict[int, _Lazy]) -> Objective:
+    """``objective`` traced on parameters ``typed``, run again with the leaves ``lazy`` lazy.
+
+    The leaves of ``lazy`` are made inside the loop body of each ``scan`` over them
+    (:func:`fdp.step._per_use._scan`), each in a remat (:func:`_made`).
+    """
+
+    def traced(params: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
+        loss, aux, new_carry = objective(params, micro, carry, key)
+        return loss, jax.tree.map(jnp.asarray, aux), new_carry
+
+    def run(params: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
+        treedef = jax.tree.structure(params)
+        args = (jax.tree.unflatten(treedef, typed), micro, carry, key)
+        closed, shape = jax.make_jaxpr(traced, return_shape=True)(*args)
+        flat = jax.tree.leaves(args)
+        flat[: len(typed)] = [lazy.get(i, t) for i, t in enumerate(typed)]
+        outs = _interpret(
+            closed.jaxpr, list(closed.consts), flat, {}, Use(run=lambda e, v, _: _made(e, v))
+        )
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run
+
+
+def scattered_in_loop(
+    objective: Objective, wholes: dict[int, Any], dims: dict[int, int], axis_name: AxisName
+) -> Objective:
+    """ZeRO stages 1-2: ``objective`` whose scanned stacks' gradients are reduce-scattered in-loop.
+
+    The leaves named by ``wholes`` (indices into ``jax.tree.leaves(params)``,
+    each the replicated stack) are passed to the result as this device's
+    shares along ``dims`` (:func:`shares`); the loss reads the whole stacks,
+    and the gradient with respect to each share is the *sum* over the data
+    axis of the local gradients, this device's block, reduce-scattered inside
+    the backward loop one layer at a time as it produces them. Only stacks
+    split along a later axis than the layer axis (``dims[i] > 0``) qualify.
+    """
+
+    def run(params: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
+        leaves = jax.tree.leaves(params)
+        typed = [vary(wholes[i], axis_name) if i in wholes else x for i, x in enumerate(leaves)]
+        lazy = {i: _scattered(wholes[i], leaves[i], dims[i], axis_name) for i in wholes}
+        return _rerun(objective, typed, lazy)(params, micro, carry, key)
+
+    return run
+
+
+def shares(params: Any, dims: dict[int, int], axis_name: AxisName) -> Any:
+    """``params`` made per-device, the leaves named by ``dims`` cut to this device's share."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            _own_share(x, dims[i], axis_name) if i in dims else vary(x, axis_name)
+            for i, x in enumerate(leaves)
+        ],
+    )
+
+
+def finish_scattered(
+    grads: Any,
+    plan: BucketPlan,
+    dims: Sequence[int | None],
+    done: frozenset[int],
+    axis_name: AxisName,
+    *,
+    flat: bool,
+) -> Any:
+    """Stages 1-2: the mean gradients' shares, as the default hook's reduce-scatter gives them.
+
+    The leaves ``done`` hold this device's share of the sum (reduce-scattered in
+    the backward loop) and are divided by ``N``; every other leaf is this device's
+    local gradient, reduce-scattered (mean) bucket by bucket as the default hook
+    does (:func:`fdp.hooks._contract.mean_reduce_scatter`; whole where its
+    dimension is None).
+    """
+    n = axis_size(axis_name)
+    leaves, treedef = jax.tree.flatten(grads)
+    out = [no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
+    for bucket in plan.buckets:
+        rest = [i for i in bucket.leaf_indices if i not in done]
+        with jax.named_scope(f"fdp_bucket_{bucket.index}"):
+            reduced = mean_reduce_scatter(
+                [leaves[i] for i in rest], [dims[i] for i in rest], axis_name, flat=flat
+            )
+            for i, x in zip(rest, reduced, strict=True):
+                out[i] = x
+            for i in bucket.leaf_indices:
+                if i in done:
+                    out[i] = leaves[i] / jnp.asarray(n, leaves[i].dtype)
+    return jax.tree.unflatten(treedef, out)
+
+
 def reduced_in_loop(
     objective: Objective, scanned: tuple[int, ...], axis_name: AxisName
 ) -> Objective:
@@ -116,23 +269,10 @@ def reduced_in_loop(
     """
     chosen = frozenset(scanned)
 
-    def traced(params: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
-        loss, aux, new_carry = objective(params, micro, carry, key)
-        return loss, jax.tree.map(jnp.asarray, aux), new_carry
-
     def run(params: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
-        leaves, treedef = jax.tree.flatten(params)
+        leaves = jax.tree.leaves(params)
         typed = [vary(x, axis_name) if i in chosen else x for i, x in enumerate(leaves)]
-        args = (jax.tree.unflatten(treedef, typed), micro, carry, key)
-        closed, shape = jax.make_jaxpr(traced, return_shape=True)(*args)
-        flat = jax.tree.leaves(args)
-        flat[: len(leaves)] = [
-            _varied(x, axis_name) if i in chosen else t
-            for i, (x, t) in enumerate(zip(leaves, typed, strict=True))
-        ]
-        outs = _interpret(
-            closed.jaxpr, list(closed.consts), flat, {}, Use(run=lambda e, v, _: _made(e, v))
-        )
-        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+        lazy = {i: _varied(leaves[i], axis_name) for i in chosen}
+        return _rerun(objective, typed, lazy)(params, micro, carry, key)
 
     return run
