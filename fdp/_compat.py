@@ -337,6 +337,21 @@ def gpu_collectives_in_flight(n: int) -> dict[str, int]:
     return {GPU_COLLECTIVES_IN_FLIGHT: n}
 
 
+GPU_PIPELINED_REDUCE_SCATTER = "xla_gpu_enable_pipelined_reduce_scatter"
+"""XLA:GPU's collective pipeliner for reduce-scatters in loops (on by default).
+
+It moves a loop trip's reduce-scatter into the next trip, so it overlaps that
+trip's work, and keeps the whole value it scatters (a layer's gradient) alive
+across the trip boundary, with a copy. A rename is an unknown option, an error
+when a per-use step compiles for GPU (the GPU compile tier compiles one).
+"""
+
+
+def gpu_reduce_scatters_in_their_trip() -> dict[str, bool]:
+    """XLA:GPU compiler options keeping each loop trip's reduce-scatters in that trip."""
+    return {GPU_PIPELINED_REDUCE_SCATTER: False}
+
+
 # -- jaxpr equations (parameter-usage analysis, per-use gathers, fold_dots) -----------------
 
 
