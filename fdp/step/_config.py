@@ -465,14 +465,18 @@ class StepConfig:
         :mod:`fdp.step._scanned`: all-reduced at stage 0, reduce-scattered at
         stages 1-2 (not with HSDP, whose hook runs between hosts after the
         backward pass); with the plain mean all-reduce (no hook to run), one
-        micro-batch (more would reduce in each) and replication tracking (the
-        reduction is the transpose of a typed cast).
+        micro-batch (more would reduce in each), replication tracking (the
+        reduction is the transpose of a typed cast) and the parameters' own
+        dtype (a ``param_dtype`` cast of the stack before its scan leaves no
+        per-layer form: the scan would run whole in a remat, its forward pass
+        twice).
         """
         stage = self.zero_stage == 0 or (
             self.zero_stage in (1, 2) and self.scatters_gradients and not self.hybrid
         )
         return (
             stage
+            and self.sharding.param_dtype is None
             and self.accumulate_steps == 1
             and self.check_vma
             and is_mean_reduce_scatter(reduce_scatter_of(self.hook))

@@ -33,8 +33,11 @@ the loss's traced program:
   used by one ``scan`` equation): the scan is run again with each stacked
   parameter's shards as its scanned-over input (:func:`_scan`), so the body
   gathers one layer per iteration, in the forward loop and again in the
-  backward loop, which reduce-scatters that layer's gradient. A stack split
-  along its layer axis (``L`` divisible by ``N``: device ``k`` holds whole
+  backward loop, which reduce-scatters that layer's gradient. fdp's rule
+  splits a stack of three or more dimensions along a later dimension than its
+  layer axis where one qualifies (:func:`fdp.step._zero.shard_dim`), so each
+  device already holds a share of every layer. A stack split along its layer
+  axis (``[L, d]`` with ``L`` divisible by ``N``: device ``k`` holds whole
   layers) is first re-split by one all-to-all along another dimension, so
   that each layer is one all-gather away; the gradient goes back by the
   transpose, another all-to-all.
@@ -231,8 +234,9 @@ def _layer_shards(
 
     A leaf split along a dimension other than the layer axis (0) already holds
     a share of every layer: layer ``i``'s share is ``shard[i]``, gathered along
-    ``dim - 1``. A leaf split along the layer axis holds whole layers (device
-    ``k`` the ``k``-th block of them); one all-to-all re-splits it along its
+    ``dim - 1`` (fdp's rule splits stacks of three or more dimensions so where
+    it can). A leaf split along the layer axis (a ``[L, d]`` stack) holds whole
+    layers (device ``k`` the ``k``-th block of them); one all-to-all re-splits it along its
     first other dimension that the axis size divides, so that each layer is
     again one all-gather away. Its transpose, an all-to-all back, returns the
     gradient to the leaf's own layout after the backward loop. None where no

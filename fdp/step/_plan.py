@@ -12,6 +12,7 @@ import numpy as np
 
 from fdp.backends import FoldCount, count_in_jaxpr
 from fdp.bucketing import BucketPlan, plan_for
+from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._constraints import check_no_data_constraints
 from fdp.step._ready import ready_order_of
@@ -36,8 +37,9 @@ class StepPlan:
       folds: what ``fold_dots`` does with the loss's dense products (None when
         it is off), read from the loss's jaxpr.
       scanned: parameter leaves a ``scan`` iterates over (layer stacks), whose
-        gradients stage 0 reduces inside the backward loop (:mod:`fdp.step._scanned`);
-        empty where the config does not.
+        gradients stages 0-2 reduce inside the backward loop
+        (:mod:`fdp.step._scanned`); empty where the config does not, or where
+        ``FDP_CHECK_FINITE`` tests each device's own gradients.
     """
 
     buckets: BucketPlan
@@ -123,5 +125,8 @@ def _prepare(
         order = ready_order_of(closed.jaxpr, len(paths))
         buckets = plan_for(param_structs, *caps, exclude, order=order)
     folds = count_in_jaxpr(closed.jaxpr) if config.fold_dots else None
-    scanned = scanned_leaves(closed.jaxpr, len(paths)) if config.reduces_scanned_in_loop else ()
+    # FDP_CHECK_FINITE names the device whose own gradients are not finite: a gradient
+    # reduced in the loop is every device's by then.
+    in_loop = config.reduces_scanned_in_loop and not finite.enabled()
+    scanned = scanned_leaves(closed.jaxpr, len(paths)) if in_loop else ()
     return StepPlan(buckets, usage, rows, folds, scanned)

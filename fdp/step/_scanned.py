@@ -233,7 +233,9 @@ def finish_scattered(
     the backward loop) and are divided by ``N``; every other leaf is this device's
     local gradient, reduce-scattered (mean) bucket by bucket as the default hook
     does (:func:`fdp.hooks._contract.mean_reduce_scatter`; whole where its
-    dimension is None).
+    dimension is None). The shares are divided after the sum, where the hook
+    divides before: the same values for ``N`` a power of two, else within
+    rounding.
     """
     n = axis_size(axis_name)
     leaves, treedef = jax.tree.flatten(grads)

@@ -83,3 +83,22 @@ def test_a_non_finite_learning_rate_of_an_nnx_optimizer_is_refused():
     step = fdp.nnx_train_step(lambda m, b: jnp.mean((m(b["x"])[:, 0] - b["y"]) ** 2))
     with pytest.raises(ValueError, match=r"\['learning_rate'\]\.value=nan"):
         step(model, optimizer, fdp.shard_batch({"x": jnp.ones((8, 2)), "y": jnp.ones(8)}))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_the_guard_names_the_device_of_a_scanned_stacks_nan(monkeypatch, zero_stage):
+    # Reduced inside the backward loop, a stack's gradient is every device's before the
+    # guard reads it: with the guard on, stacks are reduced after the backward pass.
+    from test_per_layer import Stack, data, linen_loss, linen_state
+
+    monkeypatch.setenv(_finite.ENV_VAR, "1")
+    model = Stack(depth=8)
+    step = fdp.train_step(linen_loss(model), sharding=fdp.Sharding(zero_stage=zero_stage))
+    state = fdp.replicate(linen_state(model))
+    batch = data(steps=1)[0]
+    batch["x"][9] = np.nan  # 8 devices x 4 rows: row 9 is on device 2
+    with pytest.raises(FloatingPointError) as info:
+        step(state, fdp.shard_batch(batch))
+    message = str(info.value)
+    assert "first on process 0: device 2 (process 0): loss and gradients." in message
+    assert "The other devices' values were finite" in message

@@ -8,6 +8,7 @@ reduce-scatter (stages 1-2) inside the loop, and stage 0 peak no higher than pla
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -69,6 +70,10 @@ def test_without_the_plain_mean_or_with_micro_batches_the_stack_is_reduced_after
             "sharding": fdp.Sharding(zero_stage=1),
             "reduction": fdp.Reduction(comm_hook="bf16_compress"),
         },
+        # A cast of the stack before its scan has no per-layer form: the whole scan would
+        # run in a remat, its forward pass twice (and nothing reduced in the loop).
+        {"sharding": fdp.Sharding(param_dtype=jnp.bfloat16)},
+        {"sharding": fdp.Sharding(zero_stage=2, param_dtype=jnp.bfloat16)},
     ):
         assert not fdp.train_step(loss, **settings).config.reduces_scanned_in_loop
 
