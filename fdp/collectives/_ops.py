@@ -133,13 +133,21 @@ def reduce_scatter(
                 leaf, axis_name, scatter_dimension=scatter_dimension, tiled=tiled
             )
             return out / n if op is ReduceOp.AVG else out
-        full = all_reduce(leaf, op, axis_name=axis_name)
-        chunk = dim // n
-        start = jax.lax.axis_index(axis_name) * chunk
-        out = jax.lax.dynamic_slice_in_dim(full, start, chunk, axis=scatter_dimension)
+        out = own_chunk(all_reduce(leaf, op, axis_name=axis_name), axis_name, scatter_dimension)
         return out if tiled else jnp.squeeze(out, scatter_dimension)
 
     return jax.tree.map(leaf_fn, x)
+
+
+def own_chunk(x: jax.Array, axis_name: AxisName, dim: int) -> jax.Array:
+    """Chunk ``i`` of ``x`` split evenly along ``dim``, on device ``i`` of ``axis_name``.
+
+    What a tiled reduce-scatter leaves each device, taken from a value every
+    device holds whole. Call it inside ``jax.shard_map``.
+    """
+    size = x.shape[dim] // axis_size(axis_name)
+    start = jax.lax.axis_index(axis_name) * size
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
 
 
 def all_to_all(

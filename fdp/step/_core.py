@@ -34,7 +34,7 @@ from fdp.step._mixed import cast_floats, compute_in, master_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
 from fdp.step._plan import StepPlan
-from fdp.step._scanned import finish_scattered, reduced_in_loop, scattered_in_loop, shares
+from fdp.step._scanned import reduced_in_loop, scattered_in_loop, shares
 from fdp.step._usage import untouched_flags
 from fdp.step._zero import bucket_shard_dims, gather_params
 
@@ -249,19 +249,16 @@ def reduce_step(
             summed=per_use,
         )
     elif per_use:  # reduce-scattered in the backward pass already
-        grads = finish_gradients(out.grads, plan.buckets, dims, axis, n)
+        split = frozenset(i for i, d in enumerate(dims) if d is not None)
+        grads = finish_gradients(out.grads, plan.buckets, dims, split, axis)
     elif scattered:  # stacks reduce-scattered in the backward loop; the rest per bucket
-        grads = finish_scattered(
-            out.grads,
-            plan.buckets,
-            dims,
-            frozenset(scattered),
-            axis,
-            flat=config.bound_layout == "flat",
+        flat = config.bound_layout == "flat"
+        grads = finish_gradients(
+            out.grads, plan.buckets, dims, frozenset(scattered), axis, flat=flat
         )
     elif in_loop:  # summed in the backward loop already; the rest all-reduced as usual
-        summed = tuple(0 if i in in_loop else None for i in range(len(dims)))
-        grads = finish_gradients(out.grads, plan.buckets, summed, axis, n)
+        whole = (None,) * len(dims)
+        grads = finish_gradients(out.grads, plan.buckets, whole, frozenset(in_loop), axis)
     else:
         grads, hook_state = reduce_with_hook(
             config.hook,

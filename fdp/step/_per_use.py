@@ -70,7 +70,7 @@ from fdp.bucketing import BucketPlan
 from fdp.collectives import axis_size
 from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
-from fdp.hooks._contract import mean_all_reduce
+from fdp.hooks._contract import mean_reduce_scatter
 from fdp.step._local_grads import Objective
 from fdp.step._mixed import low_gather
 from fdp.step._zero import gather
@@ -416,26 +416,39 @@ def per_use_objective(
 
 
 def finish_gradients(
-    grads: Any, plan: BucketPlan, dims: Sequence[int | None], axis_name: AxisName, n: int
+    grads: Any,
+    plan: BucketPlan,
+    dims: Sequence[int | None],
+    done: frozenset[int],
+    axis_name: AxisName,
+    *,
+    flat: bool = False,
 ) -> Any:
-    """The mean gradients, as the default hook's reduce-scatter gives them at stage 3.
+    """The mean gradients, as the default hook gives them, from partly reduced ones.
 
-    ``grads`` holds, per sharded leaf, this device's share of the sum over the
-    data axis (reduce-scattered in the backward pass), and per leaf kept whole,
-    this device's local gradient. Shares are divided by ``n`` (after the sum,
-    where the hook divides before: the same values for ``n`` a power of two);
-    whole leaves are all-reduced (mean) bucket by bucket; leaves in no bucket
-    get zeros, as :func:`fdp.hooks.reduce_with_hook` gives them.
+    ``grads`` holds, per leaf of ``done``, the sum over the data axis already
+    (reduced in the backward pass: this device's share at stage 3 and for a
+    scanned stack at stages 1-2, the whole sum for one at stage 0), and per
+    other leaf this device's local gradient. Sums are divided by ``N`` (after
+    the sum, where the hook divides before: the same values for ``N`` a power
+    of two, else within rounding); local gradients are reduced bucket by bucket
+    as the default hook reduces them (:func:`fdp.hooks._contract.mean_reduce_scatter`:
+    reduce-scattered along ``dims[i]``, all-reduced where it is None, ``flat``
+    for the flat layout); leaves in no bucket get zeros, as
+    :func:`fdp.hooks.reduce_with_hook` gives them.
     """
+    n = axis_size(axis_name)
     leaves, treedef = jax.tree.flatten(grads)
     out = [no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
     for bucket in plan.buckets:
-        whole = [i for i in bucket.leaf_indices if dims[i] is None]
+        rest = [i for i in bucket.leaf_indices if i not in done]
         with jax.named_scope(f"fdp_bucket_{bucket.index}"):
-            reduced = mean_all_reduce([leaves[i] for i in whole], axis_name)
-            for i, x in zip(whole, reduced, strict=True):
+            reduced = mean_reduce_scatter(
+                [leaves[i] for i in rest], [dims[i] for i in rest], axis_name, flat=flat
+            )
+            for i, x in zip(rest, reduced, strict=True):
                 out[i] = x
             for i in bucket.leaf_indices:
-                if dims[i] is not None:
+                if i in done:
                     out[i] = leaves[i] / jnp.asarray(n, leaves[i].dtype)
     return jax.tree.unflatten(treedef, out)

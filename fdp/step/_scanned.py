@@ -23,9 +23,10 @@ The stack stays replicated for the loss to read, and the gradient is taken with
 respect to this device's share of it (:func:`shares`) through a cast whose
 transpose is a reduce-scatter (:func:`_scattered_gradient`); re-built the same
 way, the backward loop reduce-scatters each layer's gradient as it produces it
-(:func:`scattered_in_loop`), and :func:`finish_scattered` divides the shares by
-``N`` and reduce-scatters every other leaf bucket by bucket. A stack split along
-its layer axis has no per-layer share and is reduced after the loop.
+(:func:`scattered_in_loop`), and :func:`fdp.step._per_use.finish_gradients`
+divides the shares by ``N`` and reduce-scatters every other leaf bucket by
+bucket. A stack split along its layer axis has no per-layer share and is
+reduced after the loop.
 
 Only with the plain mean all-reduce (the default hook or ``allreduce``), one
 micro-batch (``accumulate_steps=1``: with more, each micro-batch would reduce,
@@ -36,7 +37,6 @@ where DDP reduces once after ``no_sync``) and replication tracking
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -44,11 +44,9 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from fdp import _compat as compat
-from fdp.bucketing import BucketPlan
-from fdp.collectives import axis_size, vary
+from fdp.collectives import vary
 from fdp.collectives._axis import AxisName
-from fdp.hooks._bucketed import no_gradient
-from fdp.hooks._contract import mean_reduce_scatter
+from fdp.collectives._ops import own_chunk
 from fdp.step._local_grads import Objective
 from fdp.step._per_use import Use, _interpret, _Lazy, _merge
 
@@ -111,13 +109,6 @@ def _made(eqn: Any, values: list[Any]) -> list[Any]:
         return compat.bind_equation(eqn, make(shards, others))
 
     return jax.checkpoint(apply, prevent_cse=False)(others, shards)
-
-
-def _own_share(x: Any, dim: int, axis_name: AxisName) -> Any:
-    """This device's block of the replicated ``x`` along ``dim`` (its ZeRO share)."""
-    size = x.shape[dim] // axis_size(axis_name)
-    start = jax.lax.axis_index(axis_name) * size
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -212,46 +203,10 @@ def shares(params: Any, dims: dict[int, int], axis_name: AxisName) -> Any:
     return jax.tree.unflatten(
         treedef,
         [
-            _own_share(x, dims[i], axis_name) if i in dims else vary(x, axis_name)
+            own_chunk(x, axis_name, dims[i]) if i in dims else vary(x, axis_name)
             for i, x in enumerate(leaves)
         ],
     )
-
-
-def finish_scattered(
-    grads: Any,
-    plan: BucketPlan,
-    dims: Sequence[int | None],
-    done: frozenset[int],
-    axis_name: AxisName,
-    *,
-    flat: bool,
-) -> Any:
-    """Stages 1-2: the mean gradients' shares, as the default hook's reduce-scatter gives them.
-
-    The leaves ``done`` hold this device's share of the sum (reduce-scattered in
-    the backward loop) and are divided by ``N``; every other leaf is this device's
-    local gradient, reduce-scattered (mean) bucket by bucket as the default hook
-    does (:func:`fdp.hooks._contract.mean_reduce_scatter`; whole where its
-    dimension is None). The shares are divided after the sum, where the hook
-    divides before: the same values for ``N`` a power of two, else within
-    rounding.
-    """
-    n = axis_size(axis_name)
-    leaves, treedef = jax.tree.flatten(grads)
-    out = [no_gradient(plan, i, dims[i], n) for i in range(len(leaves))]
-    for bucket in plan.buckets:
-        rest = [i for i in bucket.leaf_indices if i not in done]
-        with jax.named_scope(f"fdp_bucket_{bucket.index}"):
-            reduced = mean_reduce_scatter(
-                [leaves[i] for i in rest], [dims[i] for i in rest], axis_name, flat=flat
-            )
-            for i, x in zip(rest, reduced, strict=True):
-                out[i] = x
-            for i in bucket.leaf_indices:
-                if i in done:
-                    out[i] = leaves[i] / jnp.asarray(n, leaves[i].dtype)
-    return jax.tree.unflatten(treedef, out)
 
 
 def reduced_in_loop(
