@@ -293,13 +293,22 @@ TABLE_MODES = (
     "stage 1",
     "stage 3, kept gathered",
     "stage 3, gathered per use",
+    "stage 3, gathered per use, prefetch off",
     "plain jit FSDP",
     "plain jit FSDP, stacks split off the layer axis",
 )
 STAGE_OF = {"stage 0": 0, "stage 1": 1}
 ROW_NAMES = dict(
     zip(
-        ("stage0", "stage1", "kept", "per-use", "jit-fsdp", "jit-fsdp-off-layer"),
+        (
+            "stage0",
+            "stage1",
+            "kept",
+            "per-use",
+            "per-use-no-prefetch",
+            "jit-fsdp",
+            "jit-fsdp-off-layer",
+        ),
         TABLE_MODES,
         strict=True,
     )
@@ -309,12 +318,17 @@ LAYERS = {"plain": False, "scan": True}
 
 
 def fdp_step(bench, mode: str, mesh=None):
-    """fdp's step for ``mode``; "kept gathered" is ``reshard_after_forward=False``."""
+    """fdp's step for ``mode``; "kept gathered" is ``reshard_after_forward=False``.
+
+    "prefetch off" is ``prefetch=False``: on GPU each use gathered on its own (on CPU
+    every per-use step gathers so).
+    """
     import fdp
 
     sharding = fdp.Sharding(
         zero_stage=STAGE_OF.get(mode, 3),
         reshard_after_forward=mode != "stage 3, kept gathered",
+        prefetch=mode != "stage 3, gathered per use, prefetch off",
     )
     return fdp.train_step(bench.loss_fn, sharding=sharding, mesh=mesh)
 

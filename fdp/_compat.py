@@ -285,6 +285,20 @@ attribute XLA stops reading would let every bucket merge into one all-reduce: th
 GPU compile tier counts one per bucket.
 """
 
+
+def combiner_key_scope(key: str) -> Any:
+    """A context in which every operation traced is tagged with combiner key ``key``.
+
+    Raises:
+      JaxCompatibilityError: this jax cannot attach XLA metadata to operations.
+    """
+    try:
+        from jax.experimental.xla_metadata import set_xla_metadata
+    except ImportError as e:  # pragma: no cover - depends on the jax version
+        raise _broken("jax.experimental.xla_metadata", str(e)) from e
+    return set_xla_metadata(**{GPU_COMBINER_KEY: key})
+
+
 GPU_ALL_REDUCE_CONTIGUOUS = "all-reduce-contiguous"
 """XLA's pass that concatenates the operands of a merged all-reduce into one buffer.
 
@@ -309,6 +323,16 @@ def group_gpu_all_reduces_by_key(kinds: tuple[str, ...]) -> dict[str, int | str]
     options[GPU_COMBINE_THRESHOLDS["all-reduce"]] = _GROUP_THRESHOLD_BYTES
     options["xla_disable_hlo_passes"] = GPU_ALL_REDUCE_CONTIGUOUS
     return options
+
+
+def group_gpu_collectives_by_key(kinds: tuple[str, ...]) -> dict[str, int]:
+    """XLA:GPU options: the collectives of ``kinds`` merged per :data:`GPU_COMBINER_KEY`.
+
+    Every collective of ``kinds`` that is tagged with one key
+    (:func:`combiner_key_scope`) and depends on none of the others becomes one
+    collective of several operands; untagged ones share one key.
+    """
+    return {GPU_COMBINE_THRESHOLDS[k]: _GROUP_THRESHOLD_BYTES for k in kinds}
 
 
 def tag_combiner_key(x: jax.Array, key: str) -> jax.Array:

@@ -33,12 +33,11 @@ from fdp.step._policies import (
 BUFFER_MODES = ("broadcast", "mean", "local")
 PER_USE_IN_FLIGHT = 4
 """Async collectives XLA:GPU may keep in flight at once when stage 3 gathers per use."""
-PREFETCH_USES = 16
-"""How many uses ahead a forward gather may start on GPU: a transformer block's worth.
+PREFETCH_GROUPS = 1
+"""How many gather groups ahead stage 3's gathers may start on GPU, in both passes.
 
-A GPT block uses its parameters in 16 equations (two layer norms' scale and bias,
-four products and their biases); XLA:GPU's scheduler places each gather within that
-window, while the uses before it compute (docs/zero.md, Prefetch).
+A group is consecutive uses holding about ``bucket_cap_mb`` of parameters, gathered
+as one collective (:class:`fdp.step._per_use._Prefetch`; docs/zero.md, Prefetch).
 """
 LossFn = Callable[..., Any]
 # buffers=fn: fn(buffers, axis_name) -> buffers, DDP's buffer comm hook.
@@ -483,16 +482,30 @@ class StepConfig:
         )
 
     @property
-    def prefetch_uses(self) -> int:
-        """How many uses ahead stage 3's forward gathers may start (0: at their own use).
+    def prefetch_groups(self) -> int:
+        """How many gather groups ahead stage 3's gathers may start (0: at their own use).
 
-        Only on GPU, where collectives are asynchronous and the scheduler keeps at
-        most :data:`PER_USE_IN_FLIGHT` in flight: XLA:CPU's collectives block, so
-        an early gather hides nothing there and its scheduler would hold the
+        With ``Sharding(prefetch=True)`` (the default), and only on GPU, where
+        collectives are asynchronous and the scheduler keeps at most
+        :data:`PER_USE_IN_FLIGHT` in flight: XLA:CPU's collectives block, so an
+        early gather hides nothing there and its scheduler would hold the
         gathered parameters from the earliest point allowed (every layer of an
         8-layer MLP at once, 16 uses ahead).
         """
-        return PREFETCH_USES if _on_gpu(self._need_bound("prefetch_uses")) else 0
+        on_gpu = _on_gpu(self._need_bound("prefetch_groups"))
+        return PREFETCH_GROUPS if on_gpu and self.sharding.prefetch else 0
+
+    @property
+    def gather_group_bytes(self) -> int:
+        """Bytes of whole parameters per stage-3 gather group: ``bucket_cap_mb`` (GPU), 0 (CPU).
+
+        Consecutive uses are gathered as one collective until their parameters
+        reach this size (a use larger than that alone), in the forward pass and
+        again in the backward pass, where the group's gradients leave as one
+        reduce-scatter: FSDP2's one all-gather per wrapped module. 0 where
+        :attr:`prefetch_groups` is 0: each use on its own.
+        """
+        return int(self.bucket_cap_mb * 2**20) if self.prefetch_groups else 0
 
     @property
     def compiler_options(self) -> dict[str, Any] | None:
@@ -510,8 +523,10 @@ class StepConfig:
         12-layer one's (0.45 to 0.25), compiled for 8 x H100 (docs/gpu.md).
         Except where stage 3 gathers per use: a leaf's gather is one of many small
         ones, and with one in flight a gather issued ahead of its use
-        (:attr:`prefetch_uses`) waits for every one before it;
+        (:attr:`prefetch_groups`) waits for every one before it;
         ``PER_USE_IN_FLIGHT`` of them may fly at once (docs/zero.md, Prefetch);
+        the all-gathers of a gather group, and its reduce-scatters, tagged with
+        the group's key, merge into one each (:attr:`gather_group_bytes`);
         and a scanned stack's per-layer reduce-scatters stay in their loop trip:
         XLA's pipeliner would move each into the next trip and keep the layer's
         whole gradient (and a copy) alive across it, 11% of the peak of issue
@@ -531,6 +546,9 @@ class StepConfig:
             if self.gathers_per_use:  # the next uses' gathers fly beside this one's
                 options.update(_compat.gpu_collectives_in_flight(PER_USE_IN_FLIGHT))
                 options.update(_compat.gpu_reduce_scatters_in_their_trip())
+                if self.prefetch_groups:  # a gather group's collectives merge into one
+                    grouped = ("all-gather", "reduce-scatter")
+                    options.update(_compat.group_gpu_collectives_by_key(grouped))
             return options
         return None
 

@@ -196,7 +196,12 @@ def reduce_step(
     if per_use:  # gathered inside the forward and again in the backward pass
         inner = objective if low is None else compute_in(objective, low)
         objective = per_use_objective(
-            inner, dims, shard, ahead=config.prefetch_uses, gather_dtype=low
+            inner,
+            dims,
+            shard,
+            ahead=config.prefetch_groups,
+            group_bytes=config.gather_group_bytes,
+            gather_dtype=low,
         )
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(

@@ -23,11 +23,16 @@ the loss's traced program:
   again and differentiates the equation there. The shards' gradient is the
   all-gather's transpose, a reduce-scatter: summed over the data axis, this
   device's share, sent as soon as that layer's backward is done.
-- **Order by data**: the forward gather depends on an activation ``ahead`` uses
-  back (:class:`_Prefetch`: on GPU it may start while those uses compute, and no
-  earlier; on CPU, where collectives are synchronous, its own use's), the
-  backward one on the cotangent
-  (:func:`_tied`), so neither runs early and XLA cannot merge the two.
+- **Order by data** (:class:`_Prefetch`, :func:`_tied`): on CPU, where
+  collectives block, the forward gather depends on its own use's inputs and the
+  backward one on its own cotangent, so neither runs early and XLA cannot merge
+  the two. On GPU consecutive uses form groups of about ``group_bytes`` of
+  parameters, each gathered one group ahead: a group's forward gathers depend on
+  the first use of the group before it, its backward gathers on cotangents that
+  the group after the next hands back as its backward starts (each use outputs a
+  zero token for that). A group's gathers, tied to one value and tagged with one
+  combiner key, become one all-gather in XLA:GPU's program, and its gradients
+  one reduce-scatter.
 
 - **Layer stacks** (``nn.scan``/``nnx.scan``: one stacked parameter per leaf,
   used by one ``scan`` equation): the scan is run again with each stacked
@@ -56,6 +61,7 @@ all-reduced after the backward pass, bucket by bucket
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,24 +144,137 @@ def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
     )
 
 
-class _Prefetch:
-    """The activations of the last uses: a forward gather may start ``ahead`` uses early.
+class _Token:
+    """A use's zero scalar, which the use that opens the group two groups later takes.
 
-    Tied to its own equation's inputs, a gather cannot start before the work just
-    before its use is done, so nothing hides it. Tied instead to an activation
-    of the use ``ahead`` uses back, XLA's scheduler may start it while those
-    uses compute (the next layer's gather during this layer's products).
+    ``value`` is the output; ``taken`` says whether a later use took it. That
+    use's backward, which runs before this one's, returns a zero made from its
+    own cotangent as the token's cotangent as soon as it starts, and this use's
+    backward gather is tied to it (:class:`_Prefetch`).
     """
 
-    def __init__(self, ahead: int) -> None:
-        self.ahead = ahead
-        self.recent: list[Any] = []
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.taken = False
 
-    def anchor(self, others: list[Any]) -> Any:
-        """A scalar of the activation ``ahead`` uses back (or of ``others`` at first)."""
-        token = _token(others)
-        self.recent = [*self.recent, token][-(self.ahead + 1) :]
-        return self.recent[0]
+
+class _Group:
+    """Consecutive uses whose gathers XLA:GPU merges into one (:class:`_Prefetch`)."""
+
+    def __init__(self, index: int, anchor: Any) -> None:
+        self.index = index
+        self.anchor = anchor  # a token of its first use's inputs: the next group's anchor
+        self.nbytes = 0
+        self.tokens: list[_Token] = []
+
+
+class _Prefetch:
+    """Uses in groups of about ``cap`` shard bytes, each gathered ``ahead`` groups early.
+
+    Tied to its own equation's inputs, a gather cannot start before the work just
+    before its use is done, so nothing hides it, and each leaf's gather is its
+    own small collective (about 10 us on a GPU, whatever its size). With
+    ``ahead`` (GPU), consecutive uses form groups of about ``cap`` bytes of
+    shards (a group closes once it holds ``cap``; a use larger than that is a
+    group of its own), and, for ``ahead = 1``:
+
+    - every forward gather of group ``g`` is tied to a token of the first use of
+      group ``g - 1``: they may start while that group computes, and no
+      earlier, and being tied to one value, XLA:GPU merges them into one
+      collective (their combiner key names the group: :func:`_use`);
+    - each use outputs a zero token (:class:`_Token`), which the first use of
+      group ``g + 2`` takes: in the backward pass that use, the last of group
+      ``g + 2`` to run, hands a cotangent back for it as it starts, and group
+      ``g``'s backward gathers are tied to those (merged, likewise), so they run
+      while group ``g + 1``'s backward computes. The last groups' tokens are
+      taken by the trace's output (:meth:`finish`): from the start of the
+      backward pass;
+    - a loop over layers (:meth:`boundary`) ends a group: the first group after
+      it is not gathered before the loop.
+
+    Without ``ahead`` (CPU, whose collectives block, so an early gather hides
+    nothing) a gather is tied to its own use's inputs, and its backward one to
+    its own cotangent.
+    """
+
+    def __init__(self, ahead: int, cap: int = 0) -> None:
+        self.ahead = ahead
+        self.cap = cap
+        self.groups: list[_Group] = []
+
+    def join(self, nbytes: int, others: list[Any]) -> tuple[Any, list[_Token], int | None]:
+        """A use of ``nbytes`` of shards: its forward anchor, the tokens it takes, its group."""
+        if not self.ahead:
+            return _token(others), [], None
+        taken: list[_Token] = []
+        if not self.groups or self.groups[-1].nbytes >= self.cap:
+            self.groups.append(_Group(len(self.groups), _token(others)))
+            if (back := len(self.groups) - 2 - self.ahead) >= 0:
+                taken = self.groups[back].tokens
+        group = self.groups[-1]
+        group.nbytes += nbytes
+        for token in taken:
+            token.taken = True
+        anchor = self.groups[max(group.index - self.ahead, 0)].anchor
+        return anchor, taken, group.index
+
+    def boundary(self, outs: list[Any]) -> None:
+        """A loop over layers ran: the next group's gathers wait for its outputs.
+
+        Tied one group back, the first group after a loop would otherwise be
+        gathered before the loop (the output layer, whole through every layer).
+        """
+        if self.ahead:
+            group = _Group(len(self.groups), _token(outs))
+            group.nbytes = self.cap
+            self.groups.append(group)
+
+    def record(self, token: _Token) -> None:
+        """Keeps ``token`` (a use's output) for the use that opens group two later."""
+        if self.ahead:
+            self.groups[-1].tokens.append(token)
+
+    def finish(self, outs: list[Any]) -> list[Any]:
+        """``outs`` (a trace's outputs), taking the tokens no use took (:func:`_collect`)."""
+        left = [t for g in self.groups for t in g.tokens if not t.taken]
+        return _collect(outs, left) if left else outs
+
+
+def _collect(outs: list[Any], tokens: list[_Token]) -> list[Any]:
+    """``outs``, whose backward pass hands ``tokens`` their cotangents as it starts.
+
+    The last groups' tokens, which no later use takes (:class:`_Prefetch`), are
+    taken by an identity on the trace's first floating output (the loss; in a
+    loop body, what the iteration returns). Its backward returns, for each, a
+    zero made from a saved element of that output: there from the start of the
+    backward pass (of the iteration), and never a constant, which would leave
+    the gathers tied to it free to run anywhere, the forward pass included.
+    """
+    i = next(
+        (i for i, x in enumerate(outs) if getattr(x, "size", 0) and _inexact(x)),
+        None,
+    )
+    if i is None:
+        return outs
+    for token in tokens:
+        token.taken = True
+
+    @jax.custom_vjp
+    def collect(x: Any, taken: list[Any]) -> Any:
+        return x
+
+    def fwd(x: Any, taken: list[Any]) -> tuple[Any, Any]:
+        return x, jnp.ravel(x)[0]
+
+    def bwd(element: Any, ct: Any) -> tuple[Any, list[Any]]:
+        return ct, [(element * 0).astype(jnp.float32) for _ in tokens]
+
+    collect.defvjp(fwd, bwd)
+    return [*outs[:i], collect(outs[i], [t.value for t in tokens]), *outs[i + 1 :]]
+
+
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _first_number(to: Any) -> Any:
@@ -177,36 +296,99 @@ def _token(to: Any) -> Any:
     return None if x is None else jax.lax.stop_gradient(x)
 
 
+def _zero(to: Any) -> Any:
+    """A float32 zero computed from one element of ``to`` (a constant if it has none)."""
+    x = _first_number(to)
+    return jnp.zeros((), jnp.float32) if x is None else (x * 0).astype(jnp.float32)
+
+
 def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     """``eqn`` on ``values``, some lazy: gathered just before it, again in its backward.
 
     A custom VJP whose residuals are the equation's other inputs and the shards,
-    never the gathered parameters: the forward gather waits for an activation a
-    few uses back (:class:`_Prefetch`), the backward one for the cotangent
-    (:func:`_tied`), and the gradient of the shards is the all-gather's
-    transpose, a reduce-scatter.
+    never the gathered parameters, so XLA frees them after the equation; the
+    gradient of the shards is the all-gather's transpose, a reduce-scatter.
+    Besides the equation's outputs it returns a zero token (:class:`_Token`).
+    The forward gather is tied to the anchor :class:`_Prefetch` gives, the
+    backward one to the cotangent a later use hands back for this use's token,
+    or to its own cotangent where no later use took it (:func:`_tied`). On GPU
+    both are tagged with their group's combiner key, so XLA merges a group's
+    gathers (and its reduce-scatters) into one collective each.
     """
     shards, make = _merge(values)
+    lazy = [isinstance(v, _Lazy) for v in values]
     others = [v for v in values if not isinstance(v, _Lazy)]
-    anchor = prefetch.anchor(others)
+    nbytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shards))
+    anchor, taken, group = prefetch.join(nbytes, others)
+    mine = _Token()
+
+    def keyed(way: str) -> Any:
+        if group is None:
+            return contextlib.nullcontext()
+        return compat.combiner_key_scope(f"fdp_{way}_{group}")
 
     def apply(others: list[Any], shards: tuple[Any, ...]) -> list[Any]:
         return compat.bind_equation(eqn, make(shards, others))
 
     @jax.custom_vjp
-    def run(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> list[Any]:
-        return apply(others, shards)
+    def run(others: list[Any], shards: tuple[Any, ...], anchor: Any, taken: Any) -> Any:
+        return apply(others, shards), _zero(others)
 
-    def fwd(others: list[Any], shards: tuple[Any, ...], anchor: Any) -> tuple[list[Any], Any]:
-        return apply(others, _tied(shards, anchor)), (others, shards, anchor)
+    def fwd(others: list[Any], shards: tuple[Any, ...], anchor: Any, taken: Any) -> Any:
+        with keyed("forward"):
+            outs = apply(others, _tied(shards, anchor))
+        return (outs, _zero(others)), (others, shards, anchor, taken)
 
-    def bwd(res: Any, ct: list[Any]) -> tuple[Any, Any, Any]:
-        others, shards, anchor = res
-        _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, ct)), others, shards)
-        return (*vjp(ct), jax.tree.map(jnp.zeros_like, anchor))
+    def bwd(res: Any, ct: tuple[list[Any], Any]) -> tuple[Any, ...]:
+        others, shards, anchor, taken = res
+        outs, token = ct
+        # Read when the backward pass is traced, after the whole forward one: by
+        # then a later use has taken this use's token, or none will.
+        tie = token if mine.taken else outs
+        with keyed("backward"):
+            if group is None:
+                _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, tie)), others, shards)
+                grads = vjp(outs)
+            else:
+                grads = _backward(eqn, make, lazy, others, _tied(shards, tie), outs)
+        # The taken tokens' cotangents, as soon as this backward starts: their
+        # uses' backward gathers are tied to them.
+        early = [_zero(outs) for _ in taken]
+        return (*grads, jax.tree.map(jnp.zeros_like, anchor), early)
 
     run.defvjp(fwd, bwd)
-    return run(others, shards, anchor)
+    outs, mine.value = run(others, shards, anchor, [t.value for t in taken])
+    prefetch.record(mine)
+    return outs
+
+
+def _backward(
+    eqn: Any, make: Any, lazy: list[bool], others: list[Any], shards: Any, ct: list[Any]
+) -> tuple[list[Any], Any]:
+    """The cotangents of ``others`` and ``shards`` of ``eqn``, made whole by ``make``.
+
+    The gathered parameters' cotangents are tied to an element of the other
+    inputs' cotangents (:func:`_tied`) before their reduce-scatter. A product's
+    input cotangent reads the gathered weight (``ct @ w.T``), its weight
+    cotangent does not (``x.T @ ct``): untied, XLA:GPU may fuse the gather's
+    input (the shard, tied to its token) into the optimizer's update of that
+    shard, which needs the shard's whole gradient, and the gather then waits
+    for its own use's reduce-scatter: no backward prefetch, and no group's
+    gathers merged. Tied, the update depends on the gather and cannot be fused
+    with its input. A use whose backward pass needs no gathered value (a bias
+    added) still gathers nothing.
+    """
+    made, gather_vjp = jax.vjp(
+        lambda s: [x for x, z in zip(make(s, others), lazy, strict=True) if z], shards
+    )
+    parts = (iter(made), iter(others))
+    inputs = [next(parts[0]) if z else next(parts[1]) for z in lazy]
+    _, eqn_vjp = jax.vjp(lambda xs: compat.bind_equation(eqn, xs), inputs)
+    (d_inputs,) = eqn_vjp(ct)
+    d_made = [d for d, z in zip(d_inputs, lazy, strict=True) if z]
+    d_others = [d for d, z in zip(d_inputs, lazy, strict=True) if not z]
+    (d_shards,) = gather_vjp(list(_tied(tuple(d_made), d_others)))
+    return d_others, d_shards
 
 
 def _gathered(
@@ -263,9 +445,12 @@ class Use:
     """
 
     def __init__(
-        self, ahead: int = 0, run: Callable[[Any, list[Any], _Prefetch], list[Any]] | None = None
+        self,
+        ahead: int = 0,
+        run: Callable[[Any, list[Any], _Prefetch], list[Any]] | None = None,
+        cap: int = 0,
     ) -> None:
-        self.prefetch = _Prefetch(ahead)
+        self.prefetch = _Prefetch(ahead, cap)
         self.run = _use if run is None else run
 
     def __call__(self, eqn: Any, values: list[Any]) -> list[Any]:
@@ -273,7 +458,7 @@ class Use:
 
     def inside(self) -> Use:
         """The same, with prefetch state of its own (for a loop body)."""
-        return Use(self.prefetch.ahead, self.run)
+        return Use(self.prefetch.ahead, self.run, self.prefetch.cap)
 
 
 def _scan(eqn: Any, values: list[Any], use: Use) -> list[Any] | None:
@@ -306,10 +491,9 @@ def _scan(eqn: Any, values: list[Any], use: Use) -> list[Any] | None:
 
     def body(carry: list[Any], sliced: list[Any]) -> tuple[list[Any], list[Any]]:
         layer = [layers[i][1](x) if i in layers else x for i, x in enumerate(sliced)]
-        inner = parts.body
-        outs = _interpret(
-            inner.jaxpr, list(inner.consts), [*consts, *carry, *layer], {}, use.inside()
-        )
+        inner, own = parts.body, use.inside()
+        args = [*consts, *carry, *layer]
+        outs = own.prefetch.finish(_interpret(inner.jaxpr, list(inner.consts), args, {}, own))
         return outs[: parts.num_carry], outs[parts.num_carry :]
 
     new_carry, ys = jax.lax.scan(
@@ -353,6 +537,7 @@ def _interpret(
                 for k in range(len(eqn.outvars))
             ]
         if compat.is_scan(eqn) and (layered := _scan(eqn, values, use)) is not None:
+            use.prefetch.boundary(layered)
             return layered  # a layer stack: made one layer at a time, inside the loop
         return use(eqn, values)
 
@@ -367,6 +552,7 @@ def per_use_objective(
     axis_name: AxisName,
     *,
     ahead: int = 0,
+    group_bytes: int = 0,
     gather_dtype: Any = None,
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
@@ -409,7 +595,9 @@ def per_use_objective(
             and not isinstance(e.invars[0], jex.Literal)
             and e.invars[0] in sharded
         }
-        outs = _interpret(jaxpr, list(closed.consts), flat, gathers, Use(ahead))
+        cap = group_bytes // axis_size(axis_name)  # in bytes of shards
+        use = Use(ahead, cap=cap)
+        outs = use.prefetch.finish(_interpret(jaxpr, list(closed.consts), flat, gathers, use))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return run

@@ -300,12 +300,24 @@ class Sharding:
         master weights) and sharded as the stage says; the gradients flow back
         to them in that dtype and are reduced as the :class:`Reduction` says.
         None (default): the parameters' own dtype. Any stage; see docs/zero.md.
+      prefetch: stage 3 gathered per use, on GPU (FSDP's forward and backward
+        prefetch, DeepSpeed's prefetch bucket). ``True`` (default): consecutive
+        uses are gathered in groups of about ``bucket_cap_mb`` of parameters
+        (one all-gather and one reduce-scatter per group), each group one group
+        ahead of its use in the forward and in the backward pass: fewer, larger
+        collectives, started while the group before computes, for more memory
+        (a group gathered ahead in each pass). ``False``: each use gathered on
+        its own just before it, the most memory-frugal. On CPU, whose
+        collectives block, a step always gathers as ``False`` does. See
+        docs/zero.md, Prefetch.
 
     Example:
       >>> import fdp
       >>> fdp.Sharding(zero_stage=2).zero_stage
       2
       >>> fdp.Sharding(zero_stage=3, reshard_after_forward=False).reshard_after_forward
+      False
+      >>> fdp.Sharding(zero_stage=3, prefetch=False).prefetch
       False
       >>> fdp.Sharding(zero_stage=3, shard_over="inner").shard_over
       'inner'
@@ -324,6 +336,7 @@ class Sharding:
     reshard_after_forward: bool = dataclasses.field(default=True, metadata={"new": True})
     shard_over: ShardOver = dataclasses.field(default="all", metadata={"new": True})
     param_dtype: Any = dataclasses.field(default=None, metadata={"new": True})
+    prefetch: bool = dataclasses.field(default=True, metadata={"new": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero_stage", check_stage(self.zero_stage))
@@ -331,6 +344,8 @@ class Sharding:
             raise TypeError(
                 f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}."
             )
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"prefetch must be True or False, got {self.prefetch!r}.")
         if self.shard_over not in SHARD_OVER:
             raise ValueError(f"shard_over must be one of {SHARD_OVER}, got {self.shard_over!r}.")
         if self.shard_over == "inner" and self.zero_stage == 0:

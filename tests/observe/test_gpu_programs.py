@@ -240,7 +240,7 @@ def test_fdp_describe_reads_the_gpu_program(gpu_mesh, capsys):
 
 
 @pytest.mark.timeout(1200)  # a loaded 2-core machine took over 300 s to compile it
-def test_stage_3_per_use_starts_gathers_while_earlier_layers_compute(gpu_mesh):
+def test_stage_3_per_use_gathers_in_groups_one_group_ahead_in_both_passes(gpu_mesh):
     model = Decoder(depth=3, width=256, vocab=1024)  # small: the per-use step compiles slowly
 
     def loss(params, batch):
@@ -251,19 +251,48 @@ def test_stage_3_per_use_starts_gathers_while_earlier_layers_compute(gpu_mesh):
         params = model.init(jax.random.key(0), jnp.zeros((1, 128), jnp.int32))["params"]
         return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
 
-    step = fdp.train_step(loss, mesh=gpu_mesh, sharding=fdp.Sharding(zero_stage=3))
+    # Groups of about 1 MiB of parameters (a 256 x 1024 kernel): 12 of them here.
+    step = fdp.train_step(
+        loss,
+        mesh=gpu_mesh,
+        sharding=fdp.Sharding(zero_stage=3),
+        reduction=fdp.Reduction(bucket_cap_mb=1),
+    )
     state = step.abstract_init(make)
     tokens = jax.ShapeDtypeStruct((16, 128), jnp.int32, sharding=NamedSharding(gpu_mesh, P("data")))
     compiled = step.lower(state, {"x": tokens, "y": tokens}).compile()
-    gathers = [c for c in read_schedule(compiled, "h100_sxm").collectives if c.kind == "all-gather"]
-    ahead = [c.products_in_flight for c in gathers if not c.backward]
-    assert len(ahead) > len(gathers) / 2  # one forward gather per leaf, backward ones fewer
-    # Prefetch moves the forward pass's gathers. Tied to its own use's inputs, a forward
-    # gather had nothing to hide behind: 8 of the 134 forward gathers of
-    # benchmarks/zero_prefetch.py's GPT had a gemm in flight; with prefetch (16 uses
-    # ahead, 4 collectives in flight) 101, up to 5 gemms ahead of their use. Here 24 of 53.
-    assert sum(n > 0 for n in ahead) > 0.4 * len(ahead), sorted(ahead)
-    assert max(ahead) >= 3, sorted(ahead)
+    ops = read_schedule(compiled, "h100_sxm").collectives
+    leaves = len(jax.tree.leaves(state.params))  # 53, each split over the 8 GPUs
+    forward = [c.products_in_flight for c in ops if c.kind == "all-gather" and not c.backward]
+    backward = [c.products_in_flight for c in ops if c.kind == "all-gather" and c.backward]
+    scatters = [c for c in ops if c.kind == "reduce-scatter"]
+    # One collective per group, not per leaf: a group's gathers (and its gradients'
+    # reduce-scatters) are tied to one value and tagged with one combiner key, and XLA
+    # merges them. Per use, this step had 53 forward gathers, 26 backward, 53 scatters.
+    assert 8 <= len(forward) <= leaves // 3, sorted(forward)
+    assert 8 <= len(backward) <= leaves // 3, sorted(backward)
+    assert 8 <= len(scatters) <= leaves // 3, len(scatters)
+    # Each group's gathers may start while the group before it computes, in the forward
+    # pass, and while the group after it computes, in the backward pass. Per use (each
+    # tied to its own use) 2 of the 26 backward gathers had a gemm in flight; here 11 of
+    # 12, and 10 of 12 forward ones.
+    assert sum(n > 0 for n in forward) >= 0.6 * len(forward), sorted(forward)
+    assert sum(n > 0 for n in backward) >= 0.6 * len(backward), sorted(backward)
+    assert max(backward) >= 3, sorted(backward)
+
+
+def test_prefetch_off_gathers_each_use_on_its_own(gpu_mesh):
+    gathers = {}
+    for prefetch in (True, False):
+        sharding = fdp.Sharding(zero_stage=3, prefetch=prefetch)
+        step, compiled = compile_step(gpu_mesh, sharding=sharding)
+        assert step.config.prefetch_groups == int(prefetch)
+        gathers[prefetch] = [op for op in collective_stats(compiled).ops if op.kind == "all-gather"]
+    # Groups of about bucket_cap_mb (0.25 MiB: a kernel and the bias before it): one
+    # all-gather of several operands each. Off: one leaf per all-gather, as on CPU.
+    assert any(len(op.dtypes) > 1 for op in gathers[True])
+    assert all(len(op.dtypes) == 1 for op in gathers[False])
+    assert len(gathers[False]) > len(gathers[True])
 
 
 class _Layer(nn.Module):
@@ -311,7 +340,7 @@ def test_stage_3_gathers_a_scanned_stack_per_layer_with_prefetch_on(gpu_mesh):
     # leaking out of the body was an escaped tracer).
     step, lowered = _stack_step(gpu_mesh)
     compiled = lowered.compile()
-    assert step.config.prefetch_uses > 0
+    assert step.config.prefetch_groups > 0
     assert loop_collectives(compiled).count("all-gather") >= 2  # forward and backward loops
 
 

@@ -145,6 +145,11 @@ def test_the_compiled_program_gathers_per_use_and_never_holds_every_parameter():
     assert temp["per_use"] < whole // 2
 
 
+def test_prefetch_must_be_a_bool():
+    with pytest.raises(TypeError, match="prefetch must be True or False, got 'no'"):
+        fdp.Sharding(zero_stage=3, prefetch="no")
+
+
 def test_reshard_after_forward_must_be_a_bool():
     with pytest.raises(TypeError, match="reshard_after_forward must be True or False, got 1"):
         fdp.Sharding(zero_stage=3, reshard_after_forward=1)
@@ -197,3 +202,88 @@ def test_a_scanned_layer_stack_ends_where_stage_0_does():  # per layer: test_per
     chex.assert_trees_all_close(
         jax.device_get(results[3].params), jax.device_get(results[0].params), atol=1e-5, rtol=1e-5
     )
+
+
+class Tokens(nn.Module):
+    """Embedding, layer norm, two products with biases, and a leaf no device count divides."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.LayerNorm()(nn.Embed(64, 32)(tokens))
+        scale = self.param("scale", nn.initializers.ones, (3,))
+        return nn.Dense(64)(jnp.tanh(nn.Dense(128)(x))) * jnp.mean(scale)
+
+
+def tokens_loss(params, batch):
+    logits = Tokens().apply({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _deep_case(rng):
+    params = Deep().init(jax.random.key(0), jnp.zeros((1, 256)))["params"]
+    batch = {
+        "x": rng.normal(size=(16, 256)).astype("f4"),
+        "y": rng.normal(size=(16, 256)).astype("f4"),
+    }
+    return deep_loss, params, batch
+
+
+def _tokens_case(rng):
+    params = Tokens().init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    batch = {"x": rng.integers(0, 64, size=(16, 8)), "y": rng.integers(0, 64, size=(16, 8))}
+    return tokens_loss, params, batch
+
+
+@pytest.mark.parametrize(
+    ("case", "ahead", "group_bytes"),
+    [
+        (_deep_case, 1, 512 * 1024),  # groups of two layers
+        (_tokens_case, 1, 0),  # a group per use
+        (_tokens_case, 1, 64 * 1024),
+        (_tokens_case, 2, 16 * 1024),
+    ],
+)
+def test_gathers_in_groups_tied_ahead_give_the_gradients_of_gathers_tied_to_their_use(
+    case, ahead, group_bytes
+):
+    # On GPU the uses form groups of about `group_bytes` of parameters (XLA merges a
+    # group's gathers), whose forward gathers are tied to a token of the group `ahead`
+    # groups back and whose backward gathers to the cotangents the use opening the group
+    # `ahead + 1` later hands back (or the loss's identity, for the last groups); on CPU
+    # (ahead 0) each to its own use. Only the order changes: the same numbers, up to the
+    # order XLA sums a parameter's cotangents in (1e-6 relative, a layer norm's scale).
+    from fdp.step._per_use import per_use_objective
+    from fdp.step._zero import shard_dim
+
+    mesh = fdp.data_mesh()
+    n = mesh.shape["data"]
+    loss_fn, params, batch = case(np.random.default_rng(0))
+    dims = [shard_dim(x.shape, n) for x in jax.tree.leaves(params)]
+    assert sum(d is not None for d in dims) >= 6
+    specs = [
+        jax.P(*[("data" if i == d else None) for i in range(x.ndim)])
+        for x, d in zip(jax.tree.leaves(params), dims, strict=True)
+    ]
+    split = jax.tree.unflatten(jax.tree.structure(params), specs)
+
+    def objective(p, micro, carry, key):
+        return loss_fn(p, micro), (), carry
+
+    def gradients(ahead, group_bytes):
+        per_use = per_use_objective(objective, dims, "data", ahead=ahead, group_bytes=group_bytes)
+
+        def local(shards, micro):
+            loss, grads = jax.value_and_grad(lambda s: per_use(s, micro, (), None)[0])(shards)
+            # (A leaf kept whole is replicated: shard_map sums its gradient over devices.)
+            return jax.lax.pmean(loss, "data"), grads
+
+        mapped = jax.shard_map(
+            local, mesh=mesh, in_specs=(split, jax.P("data")), out_specs=(jax.P(), split)
+        )
+        return jax.jit(mapped)(params, batch)
+
+    loss, grads = gradients(ahead, group_bytes)
+    chex.assert_trees_all_close((loss, grads), gradients(0, 0), rtol=1e-5, atol=1e-8)
+    # The sum over devices of each device's mean-loss gradient: N times the full batch's.
+    full = jax.grad(loss_fn)(params, batch)
+    chex.assert_trees_all_close(grads, jax.tree.map(lambda g: n * g, full), rtol=2e-5, atol=1e-6)
