@@ -274,8 +274,8 @@ def test_stage_3_per_use_gathers_in_groups_one_group_ahead_in_both_passes(gpu_me
     assert 8 <= len(scatters) <= leaves // 3, len(scatters)
     # Each group's gathers may start while the group before it computes, in the forward
     # pass, and while the group after it computes, in the backward pass. Per use (each
-    # tied to its own use) 2 of the 26 backward gathers had a gemm in flight; here 11 of
-    # 12, and 10 of 12 forward ones.
+    # tied to its own use) 2 of the 26 backward gathers had a gemm in flight; here 8 of
+    # 10 (a bias's gather is not needed in the backward pass), and 10 of 12 forward ones.
     assert sum(n > 0 for n in forward) >= 0.6 * len(forward), sorted(forward)
     assert sum(n > 0 for n in backward) >= 0.6 * len(backward), sorted(backward)
     assert max(backward) >= 3, sorted(backward)
