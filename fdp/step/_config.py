@@ -489,21 +489,22 @@ class StepConfig:
         collectives are asynchronous and the scheduler keeps at most
         :data:`PER_USE_IN_FLIGHT` in flight: XLA:CPU's collectives block, so an
         early gather hides nothing there and its scheduler would hold the
-        gathered parameters from the earliest point allowed (every layer of an
-        8-layer MLP at once, 16 uses ahead).
+        gathered parameters from the earliest point allowed (measured with
+        gathers tied 16 uses ahead: every layer of an 8-layer MLP at once).
         """
         on_gpu = _on_gpu(self._need_bound("prefetch_groups"))
         return PREFETCH_GROUPS if on_gpu and self.sharding.prefetch else 0
 
     @property
     def gather_group_bytes(self) -> int:
-        """Bytes of whole parameters per stage-3 gather group: ``bucket_cap_mb`` (GPU), 0 (CPU).
+        """Bytes per stage-3 gather group: ``bucket_cap_mb`` (GPU), 0 (CPU).
 
         Consecutive uses are gathered as one collective until their parameters
-        reach this size (a use larger than that alone), in the forward pass and
-        again in the backward pass, where the group's gradients leave as one
-        reduce-scatter: FSDP2's one all-gather per wrapped module. 0 where
-        :attr:`prefetch_groups` is 0: each use on its own.
+        (whole, in their own dtype: with ``param_dtype`` the gathers move fewer
+        bytes) reach this size, in the forward pass and again in the backward
+        pass, where the group's gradients leave as one reduce-scatter: FSDP2's
+        one all-gather per wrapped module. 0 where :attr:`prefetch_groups` is 0:
+        each use on its own.
         """
         return int(self.bucket_cap_mb * 2**20) if self.prefetch_groups else 0
 

@@ -69,6 +69,8 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from fdp import _compat as compat
 from fdp._jaxpr import evaluate
@@ -166,6 +168,7 @@ class _Group:
         self.anchor = anchor  # a token of its first use's inputs: the next group's anchor
         self.nbytes = 0
         self.tokens: list[_Token] = []
+        self.sealed = False  # before a loop: its tokens are taken by no later use
 
 
 class _Prefetch:
@@ -175,8 +178,8 @@ class _Prefetch:
     before its use is done, so nothing hides it, and each leaf's gather is its
     own small collective (about 10 us on a GPU, whatever its size). With
     ``ahead`` (GPU), consecutive uses form groups of about ``cap`` bytes of
-    shards (a group closes once it holds ``cap``; a use larger than that is a
-    group of its own), and, for ``ahead = 1``:
+    shards (a group closes once it holds ``cap`` or more, so a use larger than
+    ``cap`` closes the group it joins), and, for ``ahead = 1``:
 
     - every forward gather of group ``g`` is tied to a token of the first use of
       group ``g - 1``: they may start while that group computes, and no
@@ -190,7 +193,12 @@ class _Prefetch:
       taken by the trace's output (:meth:`finish`): from the start of the
       backward pass;
     - a loop over layers (:meth:`boundary`) ends a group: the first group after
-      it is not gathered before the loop.
+      it is not gathered before the loop, and the groups before it are not
+      gathered for the backward pass before the backward loop.
+
+    A later use whose backward never runs (its outputs reach no loss: an
+    ``aux`` metric) hands back a symbolic zero; the gathers tied to it then
+    wait for their own uses' cotangents, as they would unprefetched.
 
     Without ``ahead`` (CPU, whose collectives block, so an early gather hides
     nothing) a gather is tied to its own use's inputs, and its backward one to
@@ -209,7 +217,8 @@ class _Prefetch:
         taken: list[_Token] = []
         if not self.groups or self.groups[-1].nbytes >= self.cap:
             self.groups.append(_Group(len(self.groups), _token(others)))
-            if (back := len(self.groups) - 2 - self.ahead) >= 0:
+            back = len(self.groups) - 2 - self.ahead
+            if back >= 0 and not self.groups[back].sealed:
                 taken = self.groups[back].tokens
         group = self.groups[-1]
         group.nbytes += nbytes
@@ -222,9 +231,15 @@ class _Prefetch:
         """A loop over layers ran: the next group's gathers wait for its outputs.
 
         Tied one group back, the first group after a loop would otherwise be
-        gathered before the loop (the output layer, whole through every layer).
+        gathered before the loop (the output layer, whole through every layer),
+        and the last group before it, whose tokens a use after the loop would
+        take, gathered for the backward pass before the backward loop. The
+        groups before the loop are sealed: their backward gathers wait for their
+        own uses' cotangents.
         """
         if self.ahead:
+            for group in self.groups:
+                group.sealed = True
             group = _Group(len(self.groups), _token(outs))
             group.nbytes = self.cap
             self.groups.append(group)
@@ -236,7 +251,7 @@ class _Prefetch:
 
     def finish(self, outs: list[Any]) -> list[Any]:
         """``outs`` (a trace's outputs), taking the tokens no use took (:func:`_collect`)."""
-        left = [t for g in self.groups for t in g.tokens if not t.taken]
+        left = [t for g in self.groups if not g.sealed for t in g.tokens if not t.taken]
         return _collect(outs, left) if left else outs
 
 
@@ -267,7 +282,7 @@ def _collect(outs: list[Any], tokens: list[_Token]) -> list[Any]:
         return x, jnp.ravel(x)[0]
 
     def bwd(element: Any, ct: Any) -> tuple[Any, list[Any]]:
-        return ct, [(element * 0).astype(jnp.float32) for _ in tokens]
+        return ct, [_finite_zero(element) for _ in tokens]
 
     collect.defvjp(fwd, bwd)
     return [*outs[:i], collect(outs[i], [t.value for t in tokens]), *outs[i + 1 :]]
@@ -297,9 +312,18 @@ def _token(to: Any) -> Any:
 
 
 def _zero(to: Any) -> Any:
-    """A float32 zero computed from one element of ``to`` (a constant if it has none)."""
+    """A float32 zero computed from one element of ``to`` (a constant if it has none).
+
+    Zero even where that element is not finite (``0 * inf`` is NaN), so a tie to it
+    never changes a value.
+    """
     x = _first_number(to)
-    return jnp.zeros((), jnp.float32) if x is None else (x * 0).astype(jnp.float32)
+    return jnp.zeros((), jnp.float32) if x is None else _finite_zero(x)
+
+
+def _finite_zero(x: Any) -> Any:
+    """``0 * x`` as float32, computed from ``x`` (a scalar), and 0 where ``x`` is not finite."""
+    return (jnp.where(jnp.isfinite(x), x, 0) * 0).astype(jnp.float32)
 
 
 def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
@@ -334,32 +358,56 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     def run(others: list[Any], shards: tuple[Any, ...], anchor: Any, taken: Any) -> Any:
         return apply(others, shards), _zero(others)
 
-    def fwd(others: list[Any], shards: tuple[Any, ...], anchor: Any, taken: Any) -> Any:
+    def fwd(*primals: Any) -> Any:
+        others, shards, anchor, taken = _primal_values(primals)
         with keyed("forward"):
             outs = apply(others, _tied(shards, anchor))
         return (outs, _zero(others)), (others, shards, anchor, taken)
 
     def bwd(res: Any, ct: tuple[list[Any], Any]) -> tuple[Any, ...]:
         others, shards, anchor, taken = res
-        outs, token = ct
+        given, token = ct
+        real = [c for c in given if not isinstance(c, SymbolicZero)]
+        if group is not None and not real:  # outputs that reach no loss: nothing to do
+            return None, None, None, [None for _ in taken]
         # Read when the backward pass is traced, after the whole forward one: by
-        # then a later use has taken this use's token, or none will.
-        tie = token if mine.taken else outs
+        # then a later use has taken this use's token, or none will. A symbolic
+        # zero: the use that took it has no backward (its outputs reach no loss).
+        handed = mine.taken and not isinstance(token, SymbolicZero)
+        tie = token if handed else real
         with keyed("backward"):
             if group is None:
                 _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, tie)), others, shards)
-                grads = vjp(outs)
+                grads = vjp(given)
             else:
-                grads = _backward(eqn, make, lazy, others, _tied(shards, tie), outs)
+                grads = _backward(eqn, make, lazy, others, _tied(shards, tie), given)
         # The taken tokens' cotangents, as soon as this backward starts: their
-        # uses' backward gathers are tied to them.
-        early = [_zero(outs) for _ in taken]
+        # uses' backward gathers are tied to them. None (a zero) where this use has
+        # no cotangent of its own: a constant would leave those gathers untied.
+        x = _first_number(real)
+        early = [None if x is None else _finite_zero(x) for _ in taken]
         return (*grads, jax.tree.map(jnp.zeros_like, anchor), early)
 
-    run.defvjp(fwd, bwd)
+    run.defvjp(fwd, bwd, symbolic_zeros=group is not None)
     outs, mine.value = run(others, shards, anchor, [t.value for t in taken])
     prefetch.record(mine)
     return outs
+
+
+def _primal_values(primals: Any) -> Any:
+    """``primals`` as values (``symbolic_zeros=True`` wraps each leaf in ``CustomVJPPrimal``)."""
+    return jax.tree.map(
+        lambda p: p.value if isinstance(p, CustomVJPPrimal) else p,
+        primals,
+        is_leaf=lambda p: isinstance(p, CustomVJPPrimal),
+    )
+
+
+def _zeros_like(x: Any) -> Any:
+    """A zero cotangent for the output ``x`` (``float0`` for an integer one)."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _backward(
@@ -376,15 +424,19 @@ def _backward(
     for its own use's reduce-scatter: no backward prefetch, and no group's
     gathers merged. Tied, the update depends on the gather and cannot be fused
     with its input. A use whose backward pass needs no gathered value (a bias
-    added) still gathers nothing.
+    added) still gathers nothing. ``ct`` may hold symbolic zeros
+    (``symbolic_zeros=True``): zeros of the outputs' types here.
     """
     made, gather_vjp = jax.vjp(
         lambda s: [x for x, z in zip(make(s, others), lazy, strict=True) if z], shards
     )
     parts = (iter(made), iter(others))
     inputs = [next(parts[0]) if z else next(parts[1]) for z in lazy]
-    _, eqn_vjp = jax.vjp(lambda xs: compat.bind_equation(eqn, xs), inputs)
-    (d_inputs,) = eqn_vjp(ct)
+    outs, eqn_vjp = jax.vjp(lambda xs: compat.bind_equation(eqn, xs), inputs)
+    real = [
+        _zeros_like(o) if isinstance(c, SymbolicZero) else c for o, c in zip(outs, ct, strict=True)
+    ]
+    (d_inputs,) = eqn_vjp(real)
     d_made = [d for d, z in zip(d_inputs, lazy, strict=True) if z]
     d_others = [d for d, z in zip(d_inputs, lazy, strict=True) if not z]
     (d_shards,) = gather_vjp(list(_tied(tuple(d_made), d_others)))
@@ -496,8 +548,11 @@ def _scan(eqn: Any, values: list[Any], use: Use) -> list[Any] | None:
         outs = own.prefetch.finish(_interpret(inner.jaxpr, list(inner.consts), args, {}, own))
         return outs[: parts.num_carry], outs[parts.num_carry :]
 
+    # Unrolled, a body's copies would share its gather groups' combiner keys, and
+    # XLA:GPU would merge the groups of several layers: one trip per layer instead.
+    unroll = 1 if use.prefetch.ahead else parts.unroll
     new_carry, ys = jax.lax.scan(
-        body, carry, loop_xs, length=parts.length, reverse=parts.reverse, unroll=parts.unroll
+        body, carry, loop_xs, length=parts.length, reverse=parts.reverse, unroll=unroll
     )
     return [*new_carry, *ys]
 

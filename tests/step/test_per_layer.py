@@ -34,6 +34,7 @@ class Stack(nn.Module):
 
     depth: int = 8
     width: int = 32
+    unroll: int = 1
 
     @nn.compact
     def __call__(self, x):
@@ -43,6 +44,7 @@ class Stack(nn.Module):
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=self.depth,
+            unroll=self.unroll,
         )
         x, _ = layers(self.width)(x, None)
         return nn.Dense(8)(x)

@@ -234,17 +234,38 @@ def _tokens_case(rng):
     return tokens_loss, params, batch
 
 
+def _scan_case(rng):
+    from test_per_layer import Stack, linen_loss
+
+    # Layers under nn.scan(nn.remat(...)) between two plain ones, unrolled by 2: the
+    # loop body's uses form groups of their own, and a loop ends the outer groups.
+    model = Stack(depth=8, width=32, unroll=2)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    batch = {
+        "x": rng.normal(size=(16, 16)).astype("f4"),
+        "y": rng.normal(size=(16, 8)).astype("f4"),
+    }
+    return linen_loss(model), params, batch
+
+
+def _metric(params, batch):
+    """A use after the loss's, in ``aux`` only: its backward never runs."""
+    x = jnp.tanh(batch["x"][:, :1].astype(jnp.float32)) * jnp.ones((1, 128))
+    return jnp.mean(x @ params["Dense_0"]["kernel"])  # 128 x 64: the output layer
+
+
 @pytest.mark.parametrize(
-    ("case", "ahead", "group_bytes"),
+    ("case", "ahead", "group_bytes", "metric"),
     [
-        (_deep_case, 1, 512 * 1024),  # groups of two layers
-        (_tokens_case, 1, 0),  # a group per use
-        (_tokens_case, 1, 64 * 1024),
-        (_tokens_case, 2, 16 * 1024),
+        (_deep_case, 1, 512 * 1024, None),  # groups of two layers
+        (_tokens_case, 1, 0, None),  # a group per use
+        (_tokens_case, 1, 64 * 1024, _metric),
+        (_tokens_case, 2, 16 * 1024, None),
+        (_scan_case, 1, 2 * 1024, None),
     ],
 )
 def test_gathers_in_groups_tied_ahead_give_the_gradients_of_gathers_tied_to_their_use(
-    case, ahead, group_bytes
+    case, ahead, group_bytes, metric
 ):
     # On GPU the uses form groups of about `group_bytes` of parameters (XLA merges a
     # group's gathers), whose forward gathers are tied to a token of the group `ahead`
@@ -267,7 +288,7 @@ def test_gathers_in_groups_tied_ahead_give_the_gradients_of_gathers_tied_to_thei
     split = jax.tree.unflatten(jax.tree.structure(params), specs)
 
     def objective(p, micro, carry, key):
-        return loss_fn(p, micro), (), carry
+        return loss_fn(p, micro), (() if metric is None else metric(p, micro)), carry
 
     def gradients(ahead, group_bytes):
         per_use = per_use_objective(objective, dims, "data", ahead=ahead, group_bytes=group_bytes)
