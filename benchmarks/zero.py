@@ -760,7 +760,7 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
 
 
 def print_table_row(row: dict, platforms: dict) -> None:
-    cells = [f"{row['mode']:<27}{row['model']:<13}"]
+    cells = [f"{row['mode']:<40}{row['model']:<13}"]
     for name in platforms:
         r = row[name]
         cells.append(f"{name} peak {mib(r['compiled']['footprint']):>8} MiB")
