@@ -5,6 +5,8 @@ gathers. The compiled program must gather in the forward and again in the backwa
 pass, and its peak must stay below the whole parameters plus their gradients.
 """
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -273,13 +275,25 @@ def test_gathers_in_groups_tied_ahead_give_the_gradients_of_gathers_tied_to_thei
     # `ahead + 1` later hands back (or the loss's identity, for the last groups); on CPU
     # (ahead 0) each to its own use. Only the order changes: the same numbers, up to the
     # order XLA sums a parameter's cotangents in (1e-6 relative, a layer norm's scale).
+    loss, grads = _per_use_gradients(case, ahead, group_bytes, metric)
+    own = _per_use_gradients(case, 0, 0, None)  # the metric is aux: no gradient
+    chex.assert_trees_all_close((loss, grads), own, rtol=1e-5, atol=1e-8)
+    # The sum over devices of each device's mean-loss gradient: N times the full batch's.
+    loss_fn, params, batch = case(np.random.default_rng(0))
+    full = jax.grad(loss_fn)(params, batch)
+    n = fdp.data_mesh().shape["data"]
+    chex.assert_trees_all_close(grads, jax.tree.map(lambda g: n * g, full), rtol=2e-5, atol=1e-6)
+
+
+@functools.cache  # each case's ungrouped reference is computed once
+def _per_use_gradients(case, ahead, group_bytes, metric):
+    """Loss and gradients of ``case`` through per_use_objective on 8 simulated devices."""
     from fdp.step._per_use import per_use_objective
     from fdp.step._zero import shard_dim
 
     mesh = fdp.data_mesh()
-    n = mesh.shape["data"]
     loss_fn, params, batch = case(np.random.default_rng(0))
-    dims = [shard_dim(x.shape, n) for x in jax.tree.leaves(params)]
+    dims = [shard_dim(x.shape, mesh.shape["data"]) for x in jax.tree.leaves(params)]
     assert sum(d is not None for d in dims) >= 6
     specs = [
         jax.P(*[("data" if i == d else None) for i in range(x.ndim)])
@@ -290,21 +304,14 @@ def test_gathers_in_groups_tied_ahead_give_the_gradients_of_gathers_tied_to_thei
     def objective(p, micro, carry, key):
         return loss_fn(p, micro), (() if metric is None else metric(p, micro)), carry
 
-    def gradients(ahead, group_bytes):
-        per_use = per_use_objective(objective, dims, "data", ahead=ahead, group_bytes=group_bytes)
+    per_use = per_use_objective(objective, dims, "data", ahead=ahead, group_bytes=group_bytes)
 
-        def local(shards, micro):
-            loss, grads = jax.value_and_grad(lambda s: per_use(s, micro, (), None)[0])(shards)
-            # (A leaf kept whole is replicated: shard_map sums its gradient over devices.)
-            return jax.lax.pmean(loss, "data"), grads
+    def local(shards, micro):
+        loss, grads = jax.value_and_grad(lambda s: per_use(s, micro, (), None)[0])(shards)
+        # (A leaf kept whole is replicated: shard_map sums its gradient over devices.)
+        return jax.lax.pmean(loss, "data"), grads
 
-        mapped = jax.shard_map(
-            local, mesh=mesh, in_specs=(split, jax.P("data")), out_specs=(jax.P(), split)
-        )
-        return jax.jit(mapped)(params, batch)
-
-    loss, grads = gradients(ahead, group_bytes)
-    chex.assert_trees_all_close((loss, grads), gradients(0, 0), rtol=1e-5, atol=1e-8)
-    # The sum over devices of each device's mean-loss gradient: N times the full batch's.
-    full = jax.grad(loss_fn)(params, batch)
-    chex.assert_trees_all_close(grads, jax.tree.map(lambda g: n * g, full), rtol=2e-5, atol=1e-6)
+    mapped = jax.shard_map(
+        local, mesh=mesh, in_specs=(split, jax.P("data")), out_specs=(jax.P(), split)
+    )
+    return jax.jit(mapped)(params, batch)
