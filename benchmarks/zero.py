@@ -317,11 +317,12 @@ SCANNED_ONLY = ("plain jit FSDP, stacks split off the layer axis",)
 LAYERS = {"plain": False, "scan": True}
 
 
-def fdp_step(bench, mode: str, mesh=None):
+def fdp_step(bench, mode: str, mesh=None, bucket_cap_mb: float | None = None):
     """fdp's step for ``mode``; "kept gathered" is ``reshard_after_forward=False``.
 
     "prefetch off" is ``prefetch=False``: on GPU each use gathered on its own (on CPU
-    every per-use step gathers so).
+    every per-use step gathers so). ``bucket_cap_mb``: the step's, where given (stage
+    3 per use on GPU: the size of its gather groups).
     """
     import fdp
 
@@ -330,7 +331,10 @@ def fdp_step(bench, mode: str, mesh=None):
         reshard_after_forward=mode != "stage 3, kept gathered",
         prefetch=mode != "stage 3, gathered per use, prefetch off",
     )
-    return fdp.train_step(bench.loss_fn, sharding=sharding, mesh=mesh)
+    reduction = (
+        fdp.Reduction() if bucket_cap_mb is None else fdp.Reduction(bucket_cap_mb=bucket_cap_mb)
+    )
+    return fdp.train_step(bench.loss_fn, sharding=sharding, reduction=reduction, mesh=mesh)
 
 
 def token_batch(mesh, rows: int, seq: int) -> dict:
@@ -387,7 +391,9 @@ def split_off_layer_axis(state, depth: int, mesh):
     )
 
 
-def compile_mode(dim: int, mode: str, family: dict, mesh, scanned: bool = False):
+def compile_mode(
+    dim: int, mode: str, family: dict, mesh, scanned: bool = False, bucket_cap_mb=None
+):
     """``(compiled step, parameter count)`` of ``mode`` on the family member of width ``dim``.
 
     Compile-only from abstract inputs carrying each mode's shardings, so the same
@@ -407,7 +413,7 @@ def compile_mode(dim: int, mode: str, family: dict, mesh, scanned: bool = False)
         jitted = plain_fsdp_step(bench)(state.params, state.opt_state)
         lowered = jitted.lower(state.params, state.opt_state, batch)
     else:
-        lowered = fdp_step(bench, mode, mesh).lower(state, batch)
+        lowered = fdp_step(bench, mode, mesh, bucket_cap_mb).lower(state, batch)
     return lowered.compile(), param_count(abstract.params)
 
 

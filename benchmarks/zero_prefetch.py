@@ -44,31 +44,20 @@ SETTINGS = ((0, 0.001, 1), (1, 0.001, 4), (1, 25.0, 4))  # 0.001 MiB: a group pe
 
 def compile_per_use(dim: int, ahead: int, cap_mb: float, in_flight: int, scanned: bool):
     import zero
-    from _models import param_count
 
-    import fdp
     from fdp.observe import gpu_mesh
     from fdp.step import _config
 
     family = {"depth": 8, "vocab": 8192, "seq": 256, "per_device": 2}
     mesh = gpu_mesh("h100_sxm", 8)
-    bench = zero.bench_for(dim, family["depth"], family["vocab"], family["seq"], scanned)
-    abstract = zero.abstract_state(bench, bench.tx())
-    batch = zero.token_batch(mesh, family["per_device"] * mesh.devices.size, family["seq"])
-    state = zero.with_shardings(abstract, 3, mesh)
-    step = fdp.train_step(
-        bench.loss_fn,
-        sharding=fdp.Sharding(zero_stage=3),
-        reduction=fdp.Reduction(bucket_cap_mb=cap_mb),
-        mesh=mesh,
-    )
     before = _config.PREFETCH_GROUPS, _config.PER_USE_IN_FLIGHT
     _config.PREFETCH_GROUPS, _config.PER_USE_IN_FLIGHT = ahead, in_flight
     try:
-        compiled = step.lower(state, batch).compile()
+        return zero.compile_mode(
+            dim, "stage 3, gathered per use", family, mesh, scanned, bucket_cap_mb=cap_mb
+        )
     finally:
         _config.PREFETCH_GROUPS, _config.PER_USE_IN_FLIGHT = before
-    return compiled, param_count(abstract.params)
 
 
 def gathers(compiled) -> dict[str, list[int]]:

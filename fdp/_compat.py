@@ -286,17 +286,22 @@ GPU compile tier counts one per bucket.
 """
 
 
+def _set_xla_metadata() -> Any:
+    """``jax.experimental.xla_metadata.set_xla_metadata``, failing closed."""
+    try:
+        from jax.experimental.xla_metadata import set_xla_metadata
+    except ImportError as e:  # pragma: no cover - depends on the jax version
+        raise _broken("jax.experimental.xla_metadata", str(e)) from e
+    return set_xla_metadata
+
+
 def combiner_key_scope(key: str) -> Any:
     """A context in which every operation traced is tagged with combiner key ``key``.
 
     Raises:
       JaxCompatibilityError: this jax cannot attach XLA metadata to operations.
     """
-    try:
-        from jax.experimental.xla_metadata import set_xla_metadata
-    except ImportError as e:  # pragma: no cover - depends on the jax version
-        raise _broken("jax.experimental.xla_metadata", str(e)) from e
-    return set_xla_metadata(**{GPU_COMBINER_KEY: key})
+    return _set_xla_metadata()(**{GPU_COMBINER_KEY: key})
 
 
 GPU_ALL_REDUCE_CONTIGUOUS = "all-reduce-contiguous"
@@ -320,7 +325,7 @@ def group_gpu_all_reduces_by_key(kinds: tuple[str, ...]) -> dict[str, int | str]
     and merge as XLA merges them by default.
     """
     options: dict[str, int | str] = dict(keep_gpu_collectives_apart(kinds))
-    options[GPU_COMBINE_THRESHOLDS["all-reduce"]] = _GROUP_THRESHOLD_BYTES
+    options.update(group_gpu_collectives_by_key(("all-reduce",)))
     options["xla_disable_hlo_passes"] = GPU_ALL_REDUCE_CONTIGUOUS
     return options
 
@@ -341,11 +346,7 @@ def tag_combiner_key(x: jax.Array, key: str) -> jax.Array:
     Raises:
       JaxCompatibilityError: this jax cannot attach XLA metadata to a value.
     """
-    try:
-        from jax.experimental.xla_metadata import set_xla_metadata
-    except ImportError as e:  # pragma: no cover - depends on the jax version
-        raise _broken("jax.experimental.xla_metadata", str(e)) from e
-    return cast(jax.Array, set_xla_metadata(x, **{GPU_COMBINER_KEY: key}))
+    return cast(jax.Array, _set_xla_metadata()(x, **{GPU_COMBINER_KEY: key}))
 
 
 GPU_COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"

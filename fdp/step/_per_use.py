@@ -141,15 +141,14 @@ def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
     if token is None:
         return shards
     zero = token * 0
-    return tuple(
-        s + zero.astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else s for s in shards
-    )
+    return tuple(s + zero.astype(s.dtype) if _inexact(s) else s for s in shards)
 
 
 class _Token:
     """A use's zero scalar, which the use that opens the group two groups later takes.
 
-    ``value`` is the output; ``taken`` says whether a later use took it. That
+    ``value`` is the output (set once the use has run); ``taken`` says whether
+    a later use took it. That
     use's backward, which runs before this one's, returns a zero made from its
     own cotangent as the token's cotangent as soon as it starts, and this use's
     backward gather is tied to it (:class:`_Prefetch`).
@@ -163,8 +162,7 @@ class _Token:
 class _Group:
     """Consecutive uses whose gathers XLA:GPU merges into one (:class:`_Prefetch`)."""
 
-    def __init__(self, index: int, anchor: Any) -> None:
-        self.index = index
+    def __init__(self, anchor: Any) -> None:
         self.anchor = anchor  # a token of its first use's inputs: the next group's anchor
         self.nbytes = 0
         self.tokens: list[_Token] = []
@@ -210,22 +208,27 @@ class _Prefetch:
         self.cap = cap
         self.groups: list[_Group] = []
 
-    def join(self, nbytes: int, others: list[Any]) -> tuple[Any, list[_Token], int | None]:
-        """A use of ``nbytes`` of shards: its forward anchor, the tokens it takes, its group."""
+    def join(self, nbytes: int, others: list[Any]) -> tuple[Any, list[_Token], _Token, int | None]:
+        """A use of ``nbytes`` of shards joins a group.
+
+        Returns its forward anchor, the tokens it takes, its own token, and its
+        group's index (None without ``ahead``).
+        """
+        mine = _Token()
         if not self.ahead:
-            return _token(others), [], None
+            return _token(others), [], mine, None
         taken: list[_Token] = []
         if not self.groups or self.groups[-1].nbytes >= self.cap:
-            self.groups.append(_Group(len(self.groups), _token(others)))
+            self.groups.append(_Group(_token(others)))
             back = len(self.groups) - 2 - self.ahead
             if back >= 0 and not self.groups[back].sealed:
                 taken = self.groups[back].tokens
-        group = self.groups[-1]
-        group.nbytes += nbytes
+        index = len(self.groups) - 1
+        self.groups[index].nbytes += nbytes
+        self.groups[index].tokens.append(mine)
         for token in taken:
             token.taken = True
-        anchor = self.groups[max(group.index - self.ahead, 0)].anchor
-        return anchor, taken, group.index
+        return self.groups[max(index - self.ahead, 0)].anchor, taken, mine, index
 
     def boundary(self, outs: list[Any]) -> None:
         """A loop over layers ran: the next group's gathers wait for its outputs.
@@ -240,14 +243,9 @@ class _Prefetch:
         if self.ahead:
             for group in self.groups:
                 group.sealed = True
-            group = _Group(len(self.groups), _token(outs))
+            group = _Group(_token(outs))
             group.nbytes = self.cap
             self.groups.append(group)
-
-    def record(self, token: _Token) -> None:
-        """Keeps ``token`` (a use's output) for the use that opens group two later."""
-        if self.ahead:
-            self.groups[-1].tokens.append(token)
 
     def finish(self, outs: list[Any]) -> list[Any]:
         """``outs`` (a trace's outputs), taking the tokens no use took (:func:`_collect`)."""
@@ -289,6 +287,7 @@ def _collect(outs: list[Any], tokens: list[_Token]) -> list[Any]:
 
 
 def _inexact(x: Any) -> bool:
+    """Whether ``x`` is a floating (or complex) array."""
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
@@ -343,8 +342,7 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     lazy = [isinstance(v, _Lazy) for v in values]
     others = [v for v in values if not isinstance(v, _Lazy)]
     nbytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shards))
-    anchor, taken, group = prefetch.join(nbytes, others)
-    mine = _Token()
+    anchor, taken, mine, group = prefetch.join(nbytes, others)
 
     def keyed(way: str) -> Any:
         if group is None:
@@ -368,7 +366,7 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
         others, shards, anchor, taken = res
         given, token = ct
         real = [c for c in given if not isinstance(c, SymbolicZero)]
-        if group is not None and not real:  # outputs that reach no loss: nothing to do
+        if not real:  # outputs that reach no loss (symbolic zeros): nothing to do
             return None, None, None, [None for _ in taken]
         # Read when the backward pass is traced, after the whole forward one: by
         # then a later use has taken this use's token, or none will. A symbolic
@@ -376,11 +374,8 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
         handed = mine.taken and not isinstance(token, SymbolicZero)
         tie = token if handed else real
         with keyed("backward"):
-            if group is None:
-                _, vjp = jax.vjp(lambda o, s: apply(o, _tied(s, tie)), others, shards)
-                grads = vjp(given)
-            else:
-                grads = _backward(eqn, make, lazy, others, _tied(shards, tie), given)
+            tied = _tied(shards, tie)
+            grads = _backward(eqn, make, lazy, others, tied, given, group is not None)
         # The taken tokens' cotangents, as soon as this backward starts: their
         # uses' backward gathers are tied to them. None (a zero) where this use has
         # no cotangent of its own: a constant would leave those gathers untied.
@@ -390,7 +385,6 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
 
     run.defvjp(fwd, bwd, symbolic_zeros=group is not None)
     outs, mine.value = run(others, shards, anchor, [t.value for t in taken])
-    prefetch.record(mine)
     return outs
 
 
@@ -405,18 +399,23 @@ def _primal_values(primals: Any) -> Any:
 
 def _zeros_like(x: Any) -> Any:
     """A zero cotangent for the output ``x`` (``float0`` for an integer one)."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
+    return jnp.zeros_like(x) if _inexact(x) else np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _backward(
-    eqn: Any, make: Any, lazy: list[bool], others: list[Any], shards: Any, ct: list[Any]
+    eqn: Any,
+    make: Any,
+    lazy: list[bool],
+    others: list[Any],
+    shards: Any,
+    ct: list[Any],
+    tie_gradients: bool,
 ) -> tuple[list[Any], Any]:
     """The cotangents of ``others`` and ``shards`` of ``eqn``, made whole by ``make``.
 
-    The gathered parameters' cotangents are tied to an element of the other
-    inputs' cotangents (:func:`_tied`) before their reduce-scatter. A product's
+    With ``tie_gradients`` (GPU), the gathered parameters' cotangents are tied
+    to an element of the other inputs' cotangents (:func:`_tied`) before their
+    reduce-scatter. A product's
     input cotangent reads the gathered weight (``ct @ w.T``), its weight
     cotangent does not (``x.T @ ct``): untied, XLA:GPU may fuse the gather's
     input (the shard, tied to its token) into the optimizer's update of that
@@ -427,9 +426,11 @@ def _backward(
     added) still gathers nothing. ``ct`` may hold symbolic zeros
     (``symbolic_zeros=True``): zeros of the outputs' types here.
     """
-    made, gather_vjp = jax.vjp(
-        lambda s: [x for x, z in zip(make(s, others), lazy, strict=True) if z], shards
-    )
+
+    def pick(xs: list[Any], gathered: bool) -> list[Any]:
+        return [x for x, z in zip(xs, lazy, strict=True) if z == gathered]
+
+    made, gather_vjp = jax.vjp(lambda s: pick(make(s, others), True), shards)
     parts = (iter(made), iter(others))
     inputs = [next(parts[0]) if z else next(parts[1]) for z in lazy]
     outs, eqn_vjp = jax.vjp(lambda xs: compat.bind_equation(eqn, xs), inputs)
@@ -437,9 +438,10 @@ def _backward(
         _zeros_like(o) if isinstance(c, SymbolicZero) else c for o, c in zip(outs, ct, strict=True)
     ]
     (d_inputs,) = eqn_vjp(real)
-    d_made = [d for d, z in zip(d_inputs, lazy, strict=True) if z]
-    d_others = [d for d, z in zip(d_inputs, lazy, strict=True) if not z]
-    (d_shards,) = gather_vjp(list(_tied(tuple(d_made), d_others)))
+    d_made, d_others = pick(d_inputs, True), pick(d_inputs, False)
+    if tie_gradients:
+        d_made = list(_tied(tuple(d_made), d_others))
+    (d_shards,) = gather_vjp(d_made)
     return d_others, d_shards
 
 
