@@ -9,7 +9,12 @@ parameters, Adam, float32 parameters) and each accumulation setting, it builds:
         ``lax.scan`` over the micro-batches)
   fdp   ``fdp.train_step`` with its defaults on that mesh
 
-and a tiny 5-layer MLP (width 32) where the host's work per call dominates.
+and, with ``--variants``, fdp's ZeRO stage 3 gathered per use (``zero3``: on GPU in
+groups of ``bucket_cap_mb``, each prefetched one group ahead; ``zero3-no-prefetch``:
+``fdp.Sharding(prefetch=False)``, each use gathered on its own). On one GPU nothing is
+gathered or scattered, so those rows time what the per-use structure itself costs (the
+ties and tokens that order the gathers, the compiler options that group them); and
+a tiny 5-layer MLP (width 32) where the host's work per call dominates.
 
 Each variant gets its own copy of the same initial state and the same batches
 (random, not zeros). Timing is interleaved: every round times ``--steps`` steps of
@@ -23,6 +28,7 @@ Memory is the compiled programs' ``memory_analysis()`` on this device (temp and 
 arguments + outputs - aliased + temp), fdp / jit.
 
     python benchmarks/gpu_step_time.py --json benchmarks/results/gpu_step_time.json
+    python benchmarks/gpu_step_time.py --models mlp,gpt --variants fdp zero3 zero3-no-prefetch
 """
 
 from __future__ import annotations
@@ -105,6 +111,22 @@ def memory(compiled):
     return {"temp_mib": m.temp_size_in_bytes / MiB, "peak_mib": peak / MiB}
 
 
+#: fdp variant -> its ``fdp.Sharding`` (None: the default, stage 0).
+VARIANTS = {
+    "fdp": None,
+    "zero3": fdp.Sharding(zero_stage=3),
+    "zero3-no-prefetch": fdp.Sharding(zero_stage=3, prefetch=False),
+}
+
+
+def fdp_step(loss_fn, mesh, accumulate, variant):
+    accumulation = fdp.Accumulation(steps=accumulate)
+    sharding = VARIANTS[variant]
+    if sharding is None:
+        return fdp.train_step(loss_fn, mesh=mesh, accumulation=accumulation)
+    return fdp.train_step(loss_fn, mesh=mesh, accumulation=accumulation, sharding=sharding)
+
+
 class Runner:
     """One variant: a compiled step, its own state, and how to call it."""
 
@@ -145,31 +167,36 @@ def run_model(name, accumulate, mesh, args):
 
     t0 = time.perf_counter()
     jit_compiled = gp.plain_jit(loss_fn, state, batches[0], mesh, accumulate)
-    t1 = time.perf_counter()
-    step = fdp.train_step(loss_fn, mesh=mesh, accumulation=fdp.Accumulation(steps=accumulate))
-    fdp_compiled = step.lower(state, batches[0]).compile()
-    t2 = time.perf_counter()
+    compile_s = {"jit": time.perf_counter() - t0}
+    runners = [Runner("jit", jit_compiled, copy(state), lambda out: out)]
+    mem = {"jit": memory(jit_compiled)}
+    for variant in args.variants:
+        t0 = time.perf_counter()
+        step = fdp_step(loss_fn, mesh, accumulate, variant)
+        mem[variant] = memory(step.lower(state, batches[0]).compile())
+        compile_s[variant] = time.perf_counter() - t0
+        runners.append(Runner(variant, step, copy(state), lambda out: out["loss"]))
 
-    jit_run = Runner("jit", jit_compiled, copy(state), lambda out: out)
-    fdp_run = Runner("fdp", step, copy(state), lambda out: out["loss"])
-
-    # Same state, same batches: three steps of each, then compare.
-    losses = {"jit": [], "fdp": []}
+    # Same state, same batches: three steps of each, then compare with plain jit.
+    losses = {r.name: [] for r in runners}
     for b in batches:
-        losses["jit"].append(float(jit_run.step(b)))
-        losses["fdp"].append(float(fdp_run.loss_of(fdp_run.step(b))))
-    diff = params_rel_diff(fdp_run.state.params, jit_run.state.params)
+        for r in runners:
+            losses[r.name].append(float(r.loss_of(r.step(b))))
+    diff = {r.name: params_rel_diff(r.state.params, runners[0].state.params) for r in runners[1:]}
 
     wait_each = name == "tiny"
     steps = args.steps * (10 if wait_each else 1)
-    for r in (jit_run, fdp_run):  # warm-up
+    for r in runners:  # warm-up
         r.time(batches, 3, wait_each)
-    rounds = {"jit": [], "fdp": []}
+    rounds = {r.name: [] for r in runners}
     for i in range(args.rounds):
-        order = [jit_run, fdp_run] if i % 2 == 0 else [fdp_run, jit_run]
-        for r in order:
+        shift = i % len(runners)
+        for r in runners[shift:] + runners[:shift]:
             rounds[r.name].append(r.time(batches, steps, wait_each))
-    ratios = [f / j for f, j in zip(rounds["fdp"], rounds["jit"], strict=True)]
+    ratios = {
+        v: statistics.median(f / j for f, j in zip(rounds[v], rounds["jit"], strict=True))
+        for v in args.variants
+    }
     row = {
         "model": name,
         "parameters": n_params,
@@ -178,14 +205,16 @@ def run_model(name, accumulate, mesh, args):
         "devices": mesh.size,
         "ms_per_step": {k: statistics.median(v) for k, v in rounds.items()},
         "rounds_ms": rounds,
-        "ratio_fdp_over_jit": statistics.median(ratios),
+        "ratio_over_jit": ratios,
         "losses": losses,
         "params_max_rel_diff_after_3_steps": diff,
-        "memory": {"jit": memory(jit_compiled), "fdp": memory(fdp_compiled)},
-        "compile_s": {"jit": t1 - t0, "fdp": t2 - t1},
+        "memory": mem,
+        "compile_s": compile_s,
         "steps_per_round": steps,
     }
-    del jit_run, fdp_run, state
+    if "fdp" in ratios:  # the name earlier JSONs used
+        row["ratio_fdp_over_jit"] = ratios["fdp"]
+    del runners, state
     return row
 
 
@@ -195,7 +224,7 @@ def tree_norm(tree):
     )
 
 
-def check_model(name, accumulate, mesh, steps=3):
+def check_model(name, accumulate, mesh, variants=("fdp",), steps=3):
     """fdp against plain jit in float32 (matmul precision "highest"), SGD, same batches.
 
     Returns the difference of the parameters after ``steps`` steps relative to the
@@ -213,12 +242,13 @@ def check_model(name, accumulate, mesh, steps=3):
     start = jax.tree.map(np.asarray, state.params)
     with jax.default_matmul_precision("highest"):
         jit_compiled = gp.plain_jit(loss_fn, state, batches[0], mesh, accumulate)
-        step = fdp.train_step(loss_fn, mesh=mesh, accumulation=fdp.Accumulation(steps=accumulate))
         runs = {
             "jit": Runner("jit", jit_compiled, copy(state), float),
             "jit_again": Runner("jit", jit_compiled, copy(state), float),
-            "fdp": Runner("fdp", step, copy(state), lambda out: float(out["loss"])),
         }
+        for v in variants:
+            step = fdp_step(loss_fn, mesh, accumulate, v)
+            runs[v] = Runner(v, step, copy(state), lambda out: float(out["loss"]))
         losses = {k: [r.loss_of(r.step(b)) for b in batches] for k, r in runs.items()}
     ref = runs["jit"].state.params
     update = tree_norm(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, ref, start))
@@ -235,25 +265,27 @@ def check_model(name, accumulate, mesh, steps=3):
         "model": name,
         "accumulate_steps": accumulate,
         "losses": losses,
-        "fdp_vs_jit": rel(runs["fdp"].state.params),
+        **{f"{v}_vs_jit": rel(runs[v].state.params) for v in variants},
         "jit_vs_jit": rel(runs["jit_again"].state.params),
     }
 
 
 def print_row(r):
     ms, mem = r["ms_per_step"], r["memory"]
-    temp = ""
-    if mem["jit"] and mem["fdp"]:
-        tj, tf = mem["jit"]["temp_mib"], mem["fdp"]["temp_mib"]
-        pj, pf = mem["jit"]["peak_mib"], mem["fdp"]["peak_mib"]
-        temp = f"| temp MiB {tf:9.1f} / {tj:9.1f} | peak MiB {pf:9.1f} / {pj:9.1f}"
-    print(
-        f"{r['model']:5} {r['parameters'] / 1e6:7.1f}M acc={r['accumulate_steps']} "
-        f"| ms/step fdp {ms['fdp']:9.3f} jit {ms['jit']:9.3f} ratio {r['ratio_fdp_over_jit']:.3f} "
-        f"| loss3 {r['losses']['fdp'][-1]:.6f} / {r['losses']['jit'][-1]:.6f} "
-        f"| params rel diff {r['params_max_rel_diff_after_3_steps']:.1e} {temp}",
-        flush=True,
-    )
+    head = f"{r['model']:5} {r['parameters'] / 1e6:7.1f}M acc={r['accumulate_steps']}"
+    print(f"{head} | jit {ms['jit']:9.3f} ms/step | loss3 {r['losses']['jit'][-1]:.6f}", flush=True)
+    for v, ratio in r["ratio_over_jit"].items():
+        temp = ""
+        if mem["jit"] and mem[v]:
+            tj, tf = mem["jit"]["temp_mib"], mem[v]["temp_mib"]
+            pj, pf = mem["jit"]["peak_mib"], mem[v]["peak_mib"]
+            temp = f"| temp MiB {tf:9.1f} / {tj:9.1f} | peak MiB {pf:9.1f} / {pj:9.1f}"
+        print(
+            f"{'':5} {v:>18} {ms[v]:9.3f} ms/step, / jit {ratio:.3f} "
+            f"| loss3 {r['losses'][v][-1]:.6f} "
+            f"| params rel diff {r['params_max_rel_diff_after_3_steps'][v]:.1e} {temp}",
+            flush=True,
+        )
 
 
 def main():
@@ -262,6 +294,13 @@ def main():
     parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fdp"],
+        choices=list(VARIANTS),
+        help="fdp steps timed against plain jit (default: fdp)",
+    )
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--check", action="store_true", help="only the float32 agreement check")
     parser.add_argument("--allow-cpu", action="store_true", help="smoke-test on the CPU")
@@ -284,10 +323,11 @@ def main():
         for accumulate in args.accumulate if name != "tiny" else [1]:
             try:
                 if args.check:
-                    rows.append(check_model(name, accumulate, mesh))
+                    rows.append(check_model(name, accumulate, mesh, args.variants))
                     r = rows[-1]
+                    vs = " ".join(f"| {v} vs jit {r[f'{v}_vs_jit']:.2e}" for v in args.variants)
                     print(
-                        f"check {name:5} acc={accumulate} | fdp vs jit {r['fdp_vs_jit']:.2e} "
+                        f"check {name:5} acc={accumulate} {vs} "
                         f"| jit vs jit {r['jit_vs_jit']:.2e} | losses {r['losses']}",
                         flush=True,
                     )
@@ -299,9 +339,9 @@ def main():
                     {"model": name, "accumulate_steps": accumulate, "error": traceback.format_exc()}
                 )
                 print(f"{name} acc={accumulate} FAILED:\n{failures[-1]['error']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**info, "rows": rows, "failures": failures}, f, indent=1)
+            if args.json:  # after every row: a run stopped at a time limit keeps its rows
+                with open(args.json, "w") as f:
+                    json.dump({**info, "rows": rows, "failures": failures}, f, indent=1)
 
 
 if __name__ == "__main__":
