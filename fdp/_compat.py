@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
@@ -352,8 +353,8 @@ def tag_combiner_key(x: jax.Array, key: str) -> jax.Array:
 GPU_COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 """XLA:GPU's cap on async collectives in flight at once (1 by default).
 
-An experimental option: a rename is an unknown option, an error when the step
-compiles, and the GPU compile tier's prefetch test compiles a per-use step.
+An experimental option: a release of XLA without it compiles the step without it
+(see :func:`known_compile_options`).
 """
 
 
@@ -367,14 +368,77 @@ GPU_PIPELINED_REDUCE_SCATTER = "xla_gpu_enable_pipelined_reduce_scatter"
 
 It moves a loop trip's reduce-scatter into the next trip, so it overlaps that
 trip's work, and keeps the whole value it scatters (a layer's gradient) alive
-across the trip boundary, with a copy. A rename is an unknown option, an error
-when a per-use step compiles for GPU (the GPU compile tier compiles one).
+across the trip boundary, with a copy. jaxlib 0.11.2's XLA has no option of this
+name (seen on a lent H100); a release without it compiles the step without it
+(see :func:`known_compile_options`).
 """
 
 
 def gpu_reduce_scatters_in_their_trip() -> dict[str, bool]:
     """XLA:GPU compiler options keeping each loop trip's reduce-scatters in that trip."""
     return {GPU_PIPELINED_REDUCE_SCATTER: False}
+
+
+#: What each optional compile option does, for the warning when XLA lacks it.
+_OPTIONAL_OPTION_EFFECTS = {
+    GPU_COLLECTIVES_IN_FLIGHT: "gathers issued ahead of their use wait for each other",
+    GPU_PIPELINED_REDUCE_SCATTER: (
+        "a scanned stack's per-layer reduce-scatters may move into the next loop trip, "
+        "keeping a layer's whole gradient alive across it"
+    ),
+}
+
+
+def _no_such_option(error: Exception, name: str) -> bool:
+    return "no such compile option" in str(error).lower() and name in str(error)
+
+
+@functools.cache
+def _knows_compile_option(device: Any, name: str, value: Any) -> bool:
+    """Whether the compiler of ``device`` accepts option ``name`` (one tiny compile).
+
+    Only XLA's own "No such compile option" answer means no; any other failure
+    is raised, as compiling the step with the option would raise it.
+    """
+    x = jax.ShapeDtypeStruct((), "float32", sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+        jax.jit(lambda v: v + 1).lower(x).compile(compiler_options={name: value})
+    except Exception as error:  # jax.errors.JaxRuntimeError, from XLA's option parser
+        if _no_such_option(error, name):
+            return False
+        raise
+    return True
+
+
+def known_compile_options(device: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` less the optional ones that ``device``'s XLA does not have.
+
+    The optional ones are :data:`GPU_COLLECTIVES_IN_FLIGHT` and
+    :data:`GPU_PIPELINED_REDUCE_SCATTER`. Experimental XLA options come and go
+    between releases, and an unknown one makes the whole compilation fail. The
+    step is still right without them, only slower or larger, so each missing
+    one is left out with a ``UserWarning`` (once per process) that names it and
+    what it did. Any other option is
+    passed as given: one XLA lacks fails the compilation, naming it.
+    """
+    kept = {}
+    for name, value in options.items():
+        effect = _OPTIONAL_OPTION_EFFECTS.get(name)
+        if effect is None or _knows_compile_option(device, name, value):
+            kept[name] = value
+        else:
+            _warn_missing_option(name, effect)
+    return kept
+
+
+@functools.cache
+def _warn_missing_option(name: str, effect: str) -> None:
+    warnings.warn(
+        f"the XLA of jaxlib {_jaxlib_version()} has no compile option {name!r}; fdp "
+        f"compiles the step without it, so {effect}. This fdp release is tested with the "
+        "jax versions its pyproject.toml allows.",
+        stacklevel=2,
+    )
 
 
 # -- jaxpr equations (parameter-usage analysis, per-use gathers, fold_dots) -----------------

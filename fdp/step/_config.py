@@ -550,7 +550,7 @@ class StepConfig:
                 if self.prefetch_groups:  # a gather group's collectives merge into one
                     grouped = ("all-gather", "reduce-scatter")
                     options.update(_compat.group_gpu_collectives_by_key(grouped))
-            return options
+            return _compat.known_compile_options(mesh.devices.flat[0], options)
         return None
 
     @property
