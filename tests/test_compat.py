@@ -138,3 +138,21 @@ def test_no_module_but_compat_imports_jax_internals():
         if re.search(r"^\s*(from|import) jax\._src", p.read_text(), re.M)
     ]
     assert users == ["_compat.py"]
+
+
+def test_an_experimental_compile_option_this_xla_lacks_is_left_out_with_a_warning(monkeypatch):
+    """jaxlib 0.11.2 dropped an option a per-use step sets: compile without it, and say so."""
+    device = jax.devices()[0]
+    missing = "xla_gpu_fdp_test_option_that_no_xla_has"
+    monkeypatch.setitem(_compat._OPTIONAL_OPTION_EFFECTS, missing, "nothing happens")
+    options = {missing: True, _compat.GPU_PIPELINED_REDUCE_SCATTER: False, "kept": 1}
+    with pytest.warns(UserWarning, match=rf"no compile option '{missing}'.*so nothing happens"):
+        kept = _compat.known_compile_options(device, options)
+    # This jaxlib has the real option; an option fdp does not mark optional is passed on.
+    assert kept == {_compat.GPU_PIPELINED_REDUCE_SCATTER: False, "kept": 1}
+
+
+def test_an_unknown_core_compile_option_still_fails_the_compilation():
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda v: v + 1).lower(1.0).compile(compiler_options={"xla_fdp_no_such": True})
+    assert not _compat._knows_compile_option(jax.devices()[0], "xla_fdp_no_such_either", 1)
