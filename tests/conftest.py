@@ -1,7 +1,9 @@
 """Fixtures for tests that start real processes, and for tests that set the debug level."""
 
 import logging
+import shutil
 import sys
+import tempfile
 import uuid
 
 import pytest
@@ -11,11 +13,43 @@ from _procs import survivors
 collect_ignore = ["workers"]
 
 
+_compilation_cache: list[str] = []
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for this session, removed at its end.
+
+    Many tests compile the same program (a step on the same model, a plain-jit
+    reference): XLA compiles each once per session instead of once per test.
+    The cache keys on the program and its compile options, so a test still gets
+    the program its own settings make. Only this process uses it: worker
+    processes compile for themselves.
+    """
+    import jax
+
+    _compilation_cache.append(tempfile.mkdtemp(prefix="fdp-tests-xla-cache-"))
+    jax.config.update("jax_compilation_cache_dir", _compilation_cache[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    for path in _compilation_cache:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# A compile-only GPU client writes its programs to the cache but cannot load them back
+# ("PjRtCompiler must be constructed with a Client"): JAX warns and compiles again.
+_GPU_CACHE_MISS = "ignore:Error reading persistent compilation cache entry:UserWarning"
+
+
 def pytest_collection_modifyitems(items):
-    # A test that starts real processes asks for `marker`: mark it `multiprocess`.
     for item in items:
+        # A test that starts real processes asks for `marker`: mark it `multiprocess`.
         if "marker" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.multiprocess)
+        if item.get_closest_marker("gpu_compile") is not None:
+            item.add_marker(pytest.mark.filterwarnings(_GPU_CACHE_MISS))
 
 
 @pytest.fixture
