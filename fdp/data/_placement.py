@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -171,7 +172,7 @@ def check_axis(mesh: Mesh, axis_name: AxisName) -> int:
             f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
             f"{tuple(mesh.axis_names)}; pass axis_name= to name the data axis."
         )
-    return int(np.prod([mesh.shape[n] for n in names]))
+    return math.prod(int(mesh.shape[n]) for n in names)
 
 
 @functools.lru_cache(maxsize=32)

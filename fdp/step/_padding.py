@@ -23,6 +23,7 @@ nothing extra.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -101,7 +102,15 @@ def unpad_like(tree: Any, like: Any) -> Any:
 
 def needs_padding(tree: Any, n: int) -> bool:
     """Whether some leaf of ``tree`` is not yet padded for ``n`` devices."""
-    return any(pad_dim(np.shape(x), n) is not None for x in jax.tree.leaves(tree))
+    if n <= 1:
+        return False
+    return any(_pad_dim_of(tuple(np.shape(x)), n) is not None for x in jax.tree.leaves(tree))
+
+
+@functools.lru_cache(maxsize=1024)
+def _pad_dim_of(shape: tuple[int, ...], n: int) -> int | None:
+    """:func:`pad_dim`, cached: every ZeRO step checks its state's leaves."""
+    return pad_dim(shape, n)
 
 
 def padding_bytes(shape: Sequence[int], dtype: Any, n: int) -> int:

@@ -199,15 +199,29 @@ def is_placed(tree: Any, mesh: Mesh, axis_name: AxisName, *, pad: bool = False) 
     """Whether ``tree``'s first shardable leaf already has its ZeRO sharding (cheap).
 
     With ``pad``, also whether every leaf :func:`place` pads is padded already.
+    Every step of a ZeRO stage asks this of the state it is given, so the
+    per-shape answers are cached.
     """
     n = check_axis(mesh, axis_name)
+    if n <= 1:  # nothing is padded or split over one device
+        return True
     if pad and needs_padding(tree, n):
         return False
     for x in jax.tree.leaves(tree):
-        d = shard_dim(np.shape(x), n)
-        if d is not None:
-            return getattr(x, "sharding", None) == NamedSharding(mesh, spec(x.shape, n, axis_name))
+        target = _placed_sharding(mesh, tuple(np.shape(x)), n, axis_name)
+        if target is not None:
+            return getattr(x, "sharding", None) == target
     return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _placed_sharding(
+    mesh: Mesh, shape: tuple[int, ...], n: int, axis_name: AxisName
+) -> NamedSharding | None:
+    """The ZeRO sharding of a leaf of ``shape``, or None where it is not split."""
+    if shard_dim(shape, n) is None:
+        return None
+    return NamedSharding(mesh, spec(shape, n, axis_name))
 
 
 @functools.lru_cache(maxsize=32)
