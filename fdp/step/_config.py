@@ -550,7 +550,7 @@ class StepConfig:
                 if self.prefetch_groups:  # a gather group's collectives merge into one
                     grouped = ("all-gather", "reduce-scatter")
                     options.update(_compat.group_gpu_collectives_by_key(grouped))
-            return _compat.known_compile_options(mesh.devices.flat[0], options)
+            return _compat.known_compile_options(_own_device(mesh), options)
         return None
 
     @property
@@ -644,6 +644,12 @@ def _describe_into(out: dict[str, Any], name: str, value: Any) -> None:
         out[name] = value
     else:
         out[name] = repr(value)
+
+
+def _own_device(mesh: Mesh) -> Any:
+    """A device of ``mesh`` this process can compile for (one of its own where it has one)."""
+    mine = jax.process_index()
+    return next((d for d in mesh.devices.flat if d.process_index == mine), mesh.devices.flat[0])
 
 
 def _on_gpu(mesh: Mesh) -> bool:
