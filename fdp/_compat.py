@@ -4,12 +4,14 @@ fdp relies on a few things JAX does not promise to keep: where a value's type
 records the mesh axes it varies over (and those its explicit sharding splits it
 over), the primitive ``jax.grad`` sums a replicated value's gradient with, the
 size of a jitted function's cache, the name of XLA:CPU's all-reduce combiner
-pass, the primitives and parameter names of a few jaxpr equations, and the
-coordination-service client. Each is read here and nowhere
-else, and each read checks what it finds: a JAX release that renames or moves one
-of them makes fdp raise :class:`JaxCompatibilityError`, naming the JAX version,
-instead of silently doing the wrong thing (for the varying axes, silently
-reducing gradients twice: N-fold gradients).
+pass, the primitives and parameter names of a few jaxpr equations, the
+coordination-service client, and which experimental XLA:GPU options the installed
+XLA has. Each is read here and nowhere else, and each read checks what it finds:
+a JAX release that renames or moves one of them makes fdp raise
+:class:`JaxCompatibilityError`, naming the JAX version, instead of silently doing
+the wrong thing (for the varying axes, silently reducing gradients twice: N-fold
+gradients). An experimental XLA option alone is left out with a warning instead,
+since the step is right without it (:func:`known_compile_options`).
 
 The range of JAX versions fdp is tested with is ``pyproject.toml``'s (CI runs the
 oldest and the newest).
@@ -418,8 +420,8 @@ def known_compile_options(device: Any, options: dict[str, Any]) -> dict[str, Any
     between releases, and an unknown one makes the whole compilation fail. The
     step is still right without them, only slower or larger, so each missing
     one is left out with a ``UserWarning`` (once per process) that names it and
-    what it did. Any other option is
-    passed as given: one XLA lacks fails the compilation, naming it.
+    what it did. Any other option is passed as given: one XLA lacks fails the
+    compilation, naming it.
     """
     kept = {}
     for name, value in options.items():
