@@ -121,10 +121,7 @@ VARIANTS = {
 
 def fdp_step(loss_fn, mesh, accumulate, variant):
     accumulation = fdp.Accumulation(steps=accumulate)
-    sharding = VARIANTS[variant]
-    if sharding is None:
-        return fdp.train_step(loss_fn, mesh=mesh, accumulation=accumulation)
-    return fdp.train_step(loss_fn, mesh=mesh, accumulation=accumulation, sharding=sharding)
+    return fdp.train_step(loss_fn, mesh=mesh, accumulation=accumulation, sharding=VARIANTS[variant])
 
 
 class Runner:
