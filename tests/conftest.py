@@ -13,7 +13,7 @@ from _procs import survivors
 collect_ignore = ["workers"]
 
 
-_compilation_cache: list[str] = []
+_CACHE_DIR = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
@@ -27,15 +27,15 @@ def pytest_configure(config):
     """
     import jax
 
-    _compilation_cache.append(tempfile.mkdtemp(prefix="fdp-tests-xla-cache-"))
-    jax.config.update("jax_compilation_cache_dir", _compilation_cache[0])
+    config.stash[_CACHE_DIR] = tempfile.mkdtemp(prefix="fdp-tests-xla-cache-")
+    jax.config.update("jax_compilation_cache_dir", config.stash[_CACHE_DIR])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_unconfigure(config):
-    for path in _compilation_cache:
-        shutil.rmtree(path, ignore_errors=True)
+    if _CACHE_DIR in config.stash:
+        shutil.rmtree(config.stash[_CACHE_DIR], ignore_errors=True)
 
 
 # A compile-only GPU client writes its programs to the cache but cannot load them back
