@@ -352,6 +352,39 @@ def tag_combiner_key(x: jax.Array, key: str) -> jax.Array:
     return cast(jax.Array, _set_xla_metadata()(x, **{GPU_COMBINER_KEY: key}))
 
 
+XLA_KEEP_ONE_TRIP_LOOP = "skip-simplify-while-loops_trip-count-one"
+"""The frontend attribute that stops XLA's while-loop simplifier inlining a one-trip loop.
+
+Kept, the loop's body is a computation of its own whose parameters its carry is.
+"""
+
+
+def run_once(body: Any, init: Any) -> Any:
+    """``body(init)`` in a ``while`` loop of one trip that XLA keeps.
+
+    Inside, ``init`` is the loop body's parameter: XLA:GPU's matmul fusion then adds
+    a product into it in place (it takes in an addition only with a parameter).
+    The trip count stays known to XLA, so a GPU does not synchronize with the host.
+
+    Raises:
+      JaxCompatibilityError: this jax cannot attach XLA metadata to a value.
+    """
+    try:
+        from jax.experimental.xla_metadata import set_xla_metadata
+    except ImportError as e:  # pragma: no cover - depends on the jax version
+        raise _broken("jax.experimental.xla_metadata", str(e)) from e
+
+    def step(carry: Any) -> Any:
+        trip, value = carry
+        return trip + 1, body(value)
+
+    _, out = jax.lax.while_loop(lambda c: c[0] < 1, step, (jax.numpy.int32(0), init))
+    leaves, treedef = jax.tree.flatten(out)
+    # Tagging an output of the loop tags the loop itself.
+    leaves[0] = set_xla_metadata(leaves[0], **{XLA_KEEP_ONE_TRIP_LOOP: "true"})
+    return jax.tree.unflatten(treedef, leaves)
+
+
 GPU_COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 """XLA:GPU's cap on async collectives in flight at once (1 by default).
 

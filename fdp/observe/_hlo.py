@@ -14,6 +14,8 @@ import math
 import re
 from typing import Any
 
+from fdp import _compat
+
 _HLO_BITS = {
     "pred": 8,
     "s4": 4,
@@ -366,7 +368,7 @@ def _functions(text: str) -> dict[str, str]:
 def _loop_regions(text: str) -> list[str]:
     regions, inside, depth, body = [], False, 0, []
     for line in text.splitlines():
-        if not inside and "stablehlo.while" in line:
+        if not inside and "stablehlo.while" in line and _compat.XLA_KEEP_ONE_TRIP_LOOP not in line:
             inside, depth, body = True, 0, []
         if inside:
             body.append(line)
@@ -397,7 +399,9 @@ def _hlo_computations(text: str) -> dict[str, str]:
 
 def _hlo_loop_collectives(text: str) -> CollectiveStats:
     comps = _hlo_computations(text)
-    todo = re.findall(r" while\(.*?body=%([\w.-]+)", text)
+    # A loop of one trip (fdp's last micro-batch, _compat.run_once) repeats nothing.
+    once = '"known_trip_count":{"n":"1"}'
+    todo = [m[1] for m in re.finditer(r" while\(.*?body=%([\w.-]+).*", text) if once not in m[0]]
     seen: set[str] = set()
     ops: list[Collective] = []
     while todo:
@@ -418,7 +422,9 @@ def loop_collectives(lowered: Any) -> CollectiveStats:
     """The collectives a program runs inside loops (``while``/``scan``).
 
     Loop bodies often call other functions or computations; those are
-    followed, transitively.
+    followed, transitively. A loop of one trip (the last micro-batch of a GPU
+    step with accumulation, which runs with the bucket reductions in one) is not
+    counted: nothing in it repeats.
 
     Args:
       lowered: a ``jax.stages.Lowered`` (its StableHLO), a

@@ -420,11 +420,37 @@ class StepConfig:
     def check_vma(self) -> bool:
         """Whether the step's shard_map tracks replication.
 
-        Off for hooks whose collectives JAX cannot type, and on a 1-device axis,
-        where fdp's reductions become identities.
+        Off for hooks whose collectives JAX cannot type, on a 1-device axis,
+        where fdp's reductions become identities, and where the last micro-batch
+        and the reductions share a loop of one trip
+        (:attr:`reduces_with_last_micro_batch`).
         """
         averager_safe = self.model_averager is None or self.model_averager.vma_safe
-        return self.hook.vma_safe and averager_safe and self.num_replicas > 1
+        return (
+            self.hook.vma_safe
+            and averager_safe
+            and self.num_replicas > 1
+            and not self.reduces_with_last_micro_batch
+        )
+
+    @property
+    def reduces_with_last_micro_batch(self) -> bool:
+        """Whether the last micro-batch and the bucket reductions run in a one-trip loop (GPU).
+
+        With accumulation on GPUs, grouped buckets (:attr:`groups_buckets`) and
+        stage 0: inside that loop the accumulator is the loop's parameter, so
+        XLA:GPU adds each weight-gradient product of the last micro-batch into it
+        in place and all-reduces it there (after the loop it would give each
+        product and each sum a buffer of its own). The step then runs without
+        replication tracking: the loop's carry goes from per-device to replicated.
+        """
+        return (
+            self.accumulate_steps > 1
+            and self.zero_stage == 0
+            and not self.hybrid
+            and self.sharding.param_dtype is None
+            and self.groups_buckets
+        )
 
     @property
     def scatters_gradients(self) -> bool:

@@ -3,7 +3,8 @@
 This is DDP's ``no_sync``: ``K`` micro-batches are scanned, their gradients summed
 locally (in float32 for 16-bit parameters), and nothing crosses devices until the
 one bucketed reduction that follows. The first ``K - 1`` run in a loop and the
-last after it, so the reduction can overlap the last micro-batch's backward pass.
+last after it, so the reduction can overlap the last micro-batch's backward pass
+(on GPUs the two run together in a loop of one trip: see ``finish``).
 
 The objective each device differentiates is weighted so that the *mean over
 the N devices* of the local gradients is the gradient the step applies:
@@ -234,6 +235,7 @@ def local_gradients(
     track: Sequence[int] = (),
     gather_aux: Any = True,
     last_after_loop: bool = False,
+    finish: Callable[[list[Any]], list[Any]] | None = None,
 ) -> LocalGrads:
     """Scans the micro-batches of this device's batch and sums their gradients.
 
@@ -259,6 +261,13 @@ def local_gradients(
         forward pass before or beside the loop, holding its activations through
         it: compiled for 8 x H100, a 12-layer GPT's temp memory at K=4 was
         1.358x plain jit's, 1.003x with the barrier (docs/gpu.md). Set on GPUs.
+      finish: with ``accumulate_steps > 1``, the reduction of the summed
+        gradient leaves, run with the last micro-batch in a loop of one trip
+        (:func:`fdp._compat.run_once`): there the accumulator is the loop's
+        parameter, so each weight-gradient product adds into it in place and the
+        reduction reads it there. The returned ``grads`` are then reduced. Needs
+        accumulators in the parameters' dtypes and a shard_map that does not
+        track replication (the carry turns from per-device to replicated).
 
     Returns:
       A :class:`LocalGrads`.
@@ -322,11 +331,26 @@ def local_gradients(
         # start each while the rest of that backward pass runs, as DDP reduces
         # during the backward pass of the step after no_sync. Same additions, same
         # order as a loop over all K.
-        head = jax.tree.map(lambda x: x[:-1], xs)
-        state, aux_head = jax.lax.scan(micro, state0, head)
-        if last_after_loop:
+        if last_after_loop:  # each micro-batch read where it lies: no copy of the first K-1
+            state, aux_head = jax.lax.scan(
+                lambda st, i: micro(st, jax.tree.map(lambda x: x[i], xs)), state0, jnp.arange(k - 1)
+            )
             state, last = jax.lax.optimization_barrier((state, last))
-        state, aux_last = micro(state, last)
+        else:
+            head = jax.tree.map(lambda x: x[:-1], xs)
+            state, aux_head = jax.lax.scan(micro, state0, head)
+        if finish is None:
+            state, aux_last = micro(state, last)
+        else:
+            aux_like = jax.eval_shape(lambda s, x: micro(s, x)[1], state, last)
+            aux_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_like)
+
+            def last_and_finish(carry: tuple) -> tuple:
+                st, _ = carry
+                st, aux_l = micro(st, last)
+                return (list(finish(st[0])), *st[1:]), aux_l
+
+            state, aux_last = _compat.run_once(last_and_finish, (state, aux_zero))
         aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux_head, aux_last)
     acc, carry, loss_acc, used = state
     grads = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(acc, dtypes, strict=True)])

@@ -122,6 +122,20 @@ def test_accumulation_overlaps_the_last_micro_batch_and_loops_without_collective
     assert any(c.flops_in_flight > 0 for c in reductions)
 
 
+def test_the_last_micro_batch_adds_into_the_accumulator_in_place(gpu_mesh):
+    # The last micro-batch and the bucket reductions run in a loop of one trip, where
+    # the accumulator is the loop's parameter: each weight-gradient product adds into
+    # it in place and the all-reduce reduces it there. The accumulators then take the
+    # place of the gradients of a step without accumulation, and the temp memory is
+    # that step's (within 1%). After the loop XLA gave each product and each sum a
+    # buffer of their own: 1.49x here.
+    _, one = compile_step(gpu_mesh)
+    _, four = compile_step(gpu_mesh, accumulate_steps=4)
+    assert (
+        four.memory_analysis().temp_size_in_bytes <= 1.01 * one.memory_analysis().temp_size_in_bytes
+    )
+
+
 def test_stage_3_keeps_parameters_sharded_between_steps(gpu_mesh):
     step, compiled = compile_step(gpu_mesh, zero_stage=3)
     shardings = jax.tree.leaves(compiled.output_shardings[0].params)

@@ -11,6 +11,9 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fdp
+from fdp import _compat
+from fdp.hooks._contract import mean_all_reduce
+from fdp.step._local_grads import local_gradients
 
 N, K, B = 8, 4, 2  # devices, micro-batches, examples per device per micro-batch
 
@@ -55,6 +58,54 @@ def test_accumulation_adds_no_all_reduce():
     )
     lowered = jax.jit(per_step).lower(fdp.shard_batch(jnp.ones((8 * 3,))))
     assert fdp.loop_collectives(lowered).count("all-reduce") == 1
+
+
+def test_a_one_trip_loop_of_the_last_micro_batch_and_its_reduction_gives_the_same_means():
+    # On GPUs the last micro-batch and the bucket reductions run in a loop of one trip
+    # (fdp._compat.run_once), where the accumulator is the loop's parameter. Run here
+    # on CPU devices against reducing after that micro-batch: the same sums and means.
+    # Not bit for bit: XLA compiles the loop's body on its own (up to 3e-7 relative
+    # here); a lost micro-batch or a second division would be off by a quarter or more.
+    init = make_state("cnn", "sgd")
+    loss_fn = cross_entropy(init.apply_fn)
+    mesh = fdp.data_mesh()
+
+    def objective(params, micro_batch, carry, rng):
+        return loss_fn(params, micro_batch), {}, carry
+
+    def reduced(inside):
+        def per_device(params, batch):
+            params = jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying"), params)
+            treedef = jax.tree.structure(params)
+            out = local_gradients(
+                objective,
+                params,
+                batch,
+                None,
+                axis_name="data",
+                accumulate_steps=K,
+                last_after_loop=True,
+                finish=(lambda sums: mean_all_reduce(sums, "data")) if inside else None,
+            )
+            if inside:
+                return out.grads
+            return jax.tree.unflatten(treedef, mean_all_reduce(jax.tree.leaves(out.grads), "data"))
+
+        run = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(jax.P(), jax.P("data")),
+            out_specs=jax.P(),
+            check_vma=False,
+        )
+        return jax.jit(run)(fdp.replicate(init).params, fdp.shard_batch(make_data(3, K * N * B)))
+
+    after, inside = reduced(False), reduced(True)
+    chex.assert_trees_all_close(inside, after, rtol=2e-6, atol=1e-8)
+    assert (
+        "skip-simplify-while-loops_trip-count-one"
+        in jax.jit(lambda x: _compat.run_once(lambda y: y * 2, x)).lower(jnp.ones(3)).as_text()
+    )
 
 
 def test_bf16_parameters_accumulate_in_float32():
