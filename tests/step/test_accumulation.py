@@ -13,6 +13,7 @@ from flax.training.train_state import TrainState
 import fdp
 from fdp import _compat
 from fdp.hooks._contract import mean_all_reduce
+from fdp.step._config import StepConfig
 from fdp.step._local_grads import local_gradients
 
 N, K, B = 8, 4, 2  # devices, micro-batches, examples per device per micro-batch
@@ -106,6 +107,31 @@ def test_a_one_trip_loop_of_the_last_micro_batch_and_its_reduction_gives_the_sam
         "skip-simplify-while-loops_trip-count-one"
         in jax.jit(lambda x: _compat.run_once(lambda y: y * 2, x)).lower(jnp.ones(3)).as_text()
     )
+
+
+def test_the_step_with_its_one_trip_loop_equals_one_step_on_the_whole_batch(monkeypatch):
+    # GPU steps run the last micro-batch and the bucket reductions in a loop of one trip
+    # (StepConfig.reduces_with_last_micro_batch), unchecked by JAX's replication typing.
+    # Run that step here, on CPU devices, against one device on the whole batch.
+    monkeypatch.setattr(
+        StepConfig,
+        "reduces_with_last_micro_batch",
+        property(lambda self: self.accumulate_steps > 1 and self.zero_stage == 0),
+    )
+    init = make_state("cnn", "adam")
+    loss_fn = cross_entropy(init.apply_fn)
+    batches = [make_data(s, K * N * B) for s in range(2)]
+    want, want_losses = reference_steps(init, batches, loss_fn)
+    step = fdp.train_step(loss_fn, accumulation=fdp.Accumulation(steps=K))
+    state = fdp.replicate(init)
+    lowered = step.lower(state, fdp.shard_batch(batches[0])).as_text()
+    assert _compat.XLA_KEEP_ONE_TRIP_LOOP in lowered  # the path under test
+    assert not step.config.check_vma
+    for batch, want_loss in zip(batches, want_losses, strict=True):
+        state, metrics = step(state, fdp.shard_batch(batch))
+        np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
+    chex.assert_trees_all_close(state.params, want.params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state.opt_state, want.opt_state, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_parameters_accumulate_in_float32():
