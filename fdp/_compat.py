@@ -359,30 +359,29 @@ Kept, the loop's body is a computation of its own whose parameters its carry is.
 """
 
 
-def run_once(body: Any, init: Any) -> Any:
-    """``body(init)`` in a ``while`` loop of one trip that XLA keeps.
+def run_once(body: Callable[[Any], tuple[Any, Any]], init: Any) -> tuple[Any, Any]:
+    """``body(init)`` in a loop of one trip that XLA keeps (a ``lax.scan`` of length 1).
 
     Inside, ``init`` is the loop body's parameter: XLA:GPU's matmul fusion then adds
     a product into it in place (it takes in an addition only with a parameter).
     The trip count stays known to XLA, so a GPU does not synchronize with the host.
 
+    Args:
+      body: ``carry -> (carry, out)``, one step of a scan.
+      init: the carry going in.
+
+    Returns:
+      ``body``'s carry and ``out``.
+
     Raises:
       JaxCompatibilityError: this jax cannot attach XLA metadata to a value.
     """
-    try:
-        from jax.experimental.xla_metadata import set_xla_metadata
-    except ImportError as e:  # pragma: no cover - depends on the jax version
-        raise _broken("jax.experimental.xla_metadata", str(e)) from e
-
-    def step(carry: Any) -> Any:
-        trip, value = carry
-        return trip + 1, body(value)
-
-    _, out = jax.lax.while_loop(lambda c: c[0] < 1, step, (jax.numpy.int32(0), init))
-    leaves, treedef = jax.tree.flatten(out)
-    # Tagging an output of the loop tags the loop itself.
-    leaves[0] = set_xla_metadata(leaves[0], **{XLA_KEEP_ONE_TRIP_LOOP: "true"})
-    return jax.tree.unflatten(treedef, leaves)
+    set_xla_metadata = _set_xla_metadata()
+    carry, outs = jax.lax.scan(lambda c, _: body(c), init, None, length=1)
+    # Tagging a value the loop computes tags the loop. Every carried value is tagged:
+    # one the body passes through unchanged may not come from the loop at all.
+    carry = jax.tree.map(lambda x: set_xla_metadata(x, **{XLA_KEEP_ONE_TRIP_LOOP: "true"}), carry)
+    return carry, jax.tree.map(lambda y: y[0], outs)
 
 
 GPU_COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"
@@ -489,6 +488,46 @@ def _primitive(name: str) -> Any:
             "with it",
         )
     return primitive
+
+
+def _raw_named_axes(eqn: Any) -> tuple[str, ...]:
+    named: list[str] = []
+    for key in ("axes", "axis_name"):  # psum, pmax, pmin: axes; the others: axis_name
+        value = eqn.params.get(key, ())
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        named += [v for v in values if isinstance(v, str)]  # integers: positional axes
+    return tuple(named)
+
+
+@functools.cache
+def _named_axes_readable() -> bool:
+    closed = jax.make_jaxpr(
+        lambda x: jax.lax.psum(x, "fdp_probe") + jax.lax.all_gather(x, "fdp_probe").sum(),
+        axis_env=[("fdp_probe", 2)],
+    )(1.0)
+    found = [_raw_named_axes(e) for e in closed.jaxpr.eqns if e.primitive.name != "add"]
+    return ("fdp_probe",) in found and found.count(("fdp_probe",)) >= 2
+
+
+def named_axes(eqn: Any) -> tuple[str, ...]:
+    """The mesh axes ``eqn`` names: a collective's (psum, all_gather...) or ``axis_index``'s.
+
+    Raises:
+      JaxCompatibilityError: this jax keeps a collective's axes where fdp does not
+        read them (checked once, on a psum and an all_gather).
+    """
+    if not _named_axes_readable():
+        raise _broken(
+            "the axes of a collective in a jaxpr",
+            "a psum or all_gather traced over an axis does not name it in its 'axes' or "
+            "'axis_name' parameter; fdp reads them to find a loss that communicates",
+        )
+    return _raw_named_axes(eqn)
+
+
+def is_axis_index(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``lax.axis_index`` (it names an axis but moves no data)."""
+    return eqn.primitive is _primitive("axis_index_p")
 
 
 def is_cond(eqn: Any) -> bool:

@@ -400,7 +400,7 @@ def _hlo_computations(text: str) -> dict[str, str]:
 def _hlo_loop_collectives(text: str) -> CollectiveStats:
     comps = _hlo_computations(text)
     # A loop of one trip (fdp's last micro-batch, _compat.run_once) repeats nothing.
-    once = '"known_trip_count":{"n":"1"}'
+    once = _compat.XLA_KEEP_ONE_TRIP_LOOP
     todo = [m[1] for m in re.finditer(r" while\(.*?body=%([\w.-]+).*", text) if once not in m[0]]
     seen: set[str] = set()
     ops: list[Collective] = []

@@ -153,6 +153,8 @@ def logging_data(kind: str, config: Any, plan: Any) -> dict[str, Any]:
         "unused_parameters": list(usage.unused_key_paths),
         "unused_parameter_size": sum(leaf_bytes[i] for i in usage.unused),
         "conditional_parameters": list(usage.conditional_key_paths),
+        # GPU accumulation: the last micro-batch and the reductions share a loop of one trip.
+        "reduces_with_last_micro_batch": plan.last_in_loop,
         # fold_dots (CPU): dense products computed as 2-D ones, and what it left as written.
         "fold_dots_products": None if plan.folds is None else plan.folds.folded,
         "fold_dots_left": None if plan.folds is None else dict(plan.folds.left),

@@ -420,34 +420,31 @@ class StepConfig:
     def check_vma(self) -> bool:
         """Whether the step's shard_map tracks replication.
 
-        Off for hooks whose collectives JAX cannot type, on a 1-device axis,
-        where fdp's reductions become identities, and where the last micro-batch
-        and the reductions share a loop of one trip
-        (:attr:`reduces_with_last_micro_batch`).
+        Off for hooks whose collectives JAX cannot type, and on a 1-device axis,
+        where fdp's reductions become identities. A step whose last micro-batch
+        and reductions share a loop of one trip turns it off too
+        (``StepPlan.last_in_loop``).
         """
         averager_safe = self.model_averager is None or self.model_averager.vma_safe
-        return (
-            self.hook.vma_safe
-            and averager_safe
-            and self.num_replicas > 1
-            and not self.reduces_with_last_micro_batch
-        )
+        return self.hook.vma_safe and averager_safe and self.num_replicas > 1
 
     @property
     def reduces_with_last_micro_batch(self) -> bool:
-        """Whether the last micro-batch and the bucket reductions run in a one-trip loop (GPU).
+        """Whether the last micro-batch and the bucket reductions may share a one-trip loop (GPU).
 
-        With accumulation on GPUs, grouped buckets (:attr:`groups_buckets`) and
-        stage 0: inside that loop the accumulator is the loop's parameter, so
-        XLA:GPU adds each weight-gradient product of the last micro-batch into it
-        in place and all-reduces it there (after the loop it would give each
-        product and each sum a buffer of its own). The step then runs without
-        replication tracking: the loop's carry goes from per-device to replicated.
+        With accumulation on GPUs, grouped buckets (:attr:`groups_buckets`: the
+        mean all-reduce hook, which keeps no state) and stage 0: inside that loop
+        the accumulator is the loop's parameter, so XLA:GPU adds each
+        weight-gradient product of the last micro-batch into it in place and
+        all-reduces it there (after the loop it would give each product and each
+        sum a buffer of its own). Mixed precision is left out: its gradients are
+        cast back to the master dtypes after the reduction. The step's plan
+        decides the rest (``StepPlan.last_in_loop``): the loop's carry goes from
+        per-device to replicated, so that step runs without replication typing.
         """
         return (
             self.accumulate_steps > 1
             and self.zero_stage == 0
-            and not self.hybrid
             and self.sharding.param_dtype is None
             and self.groups_buckets
         )
@@ -615,11 +612,14 @@ class StepConfig:
         """Whether replicas may diverge, so the state is kept once per device."""
         return not self.comm_hook.replicated_output
 
-    def shard_map(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+    def shard_map(
+        self, fn: Callable[..., Any], in_specs: Any, out_specs: Any, *, check_vma: bool = True
+    ) -> Any:
         """``jax.shard_map`` of ``fn``, manual over the data axis only.
 
         Other mesh axes stay under the compiler, so parameters may be sharded
-        over them.
+        over them. Replication is tracked where :attr:`check_vma` allows and
+        ``check_vma`` is not False.
         """
         return jax.shard_map(
             fn,
@@ -627,7 +627,7 @@ class StepConfig:
             in_specs=in_specs,
             out_specs=out_specs,
             axis_names=set(self.axis_names),
-            check_vma=self.check_vma,
+            check_vma=self.check_vma and check_vma,
         )
 
     # -- what logs and cross-process checks show ------------------------------------------

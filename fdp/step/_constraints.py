@@ -1,4 +1,9 @@
-"""Sharding constraints on the data axis inside the loss: refused with the fix, before tracing.
+"""The data axis inside the loss: sharding constraints on it refused, collectives over it found.
+
+Collectives: a loss that communicates over the data axis keeps JAX's replication
+typing on (:func:`communicates_over`, read by :mod:`fdp.step._plan`).
+
+Sharding constraints on the data axis inside the loss: refused with the fix, before tracing.
 
 fdp's step runs the loss on each device's share of the batch inside
 ``jax.shard_map`` over the data axes, where those axes are manual. A model that
@@ -65,3 +70,22 @@ def check_no_data_constraints(jaxpr: Any, axis_names: Sequence[str]) -> None:
                 "runs under fdp (for example behind a flag of the model), or train it "
                 "with plain jax.jit and these constraints instead of fdp's step."
             )
+
+
+def communicates_over(jaxpr: Any, axis_names: Sequence[str]) -> bool:
+    """Whether the loss's ``jaxpr`` runs a collective over one of ``axis_names``.
+
+    ``axis_index`` does not count: it moves no data.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def loss(w, x):
+      ...     return jax.lax.pmean(((x @ w) ** 2).mean(), "data")
+      >>> closed = jax.make_jaxpr(loss, axis_env=[("data", 8)])(jnp.ones(4), jnp.ones((2, 4)))
+      >>> communicates_over(closed.jaxpr, ("data",)), communicates_over(closed.jaxpr, ("model",))
+      (True, False)
+    """
+    return any(
+        not compat.is_axis_index(eqn) and any(a in axis_names for a in compat.named_axes(eqn))
+        for eqn in _equations(jaxpr)
+    )

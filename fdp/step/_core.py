@@ -29,7 +29,7 @@ from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._hybrid import reduce_hybrid
 from fdp.step._keys import per_device
-from fdp.step._local_grads import LossWeights, Objective, accum_dtype_for, local_gradients
+from fdp.step._local_grads import LossWeights, Objective, local_gradients
 from fdp.step._mixed import cast_floats, compute_in, master_gradients
 from fdp.step._norm import global_norm
 from fdp.step._per_use import finish_gradients, per_use_objective
@@ -223,29 +223,24 @@ def reduce_step(
         if in_loop:
             objective = reduced_in_loop(objective, in_loop, axis)
         inputs = _per_device(params, in_loop, axis)
-    dtypes = [jnp.result_type(x) for x in jax.tree.leaves(params)]
-    with_last = (
-        config.reduces_with_last_micro_batch
-        and not in_loop
-        and all(
-            jnp.issubdtype(d, jnp.floating) and accum_dtype_for(d, config.accum_dtype) == d
-            for d in dtypes
-        )
-    )
 
-    def finish(sums: list[Any]) -> list[Any]:  # the reduction, beside the last backward pass
-        summed = jax.tree.unflatten(jax.tree.structure(params), sums)
-        reduced, _ = reduce_with_hook(
+    def reduce_buckets(grads: Any) -> tuple[Any, Any]:  # DDP's bucketed reduction
+        return reduce_with_hook(
             config.hook,
             hook_state,
-            summed,
+            grads,
             axis_name=axis,
             plan=plan.buckets,
             layout=config.bound_layout,
             params=params,
+            shard_dims=dims if config.scatters_gradients else None,
             grouped=config.groups_buckets,
         )
-        return jax.tree.leaves(reduced)
+
+    def finish(sums: list[Any]) -> list[Any]:
+        # Beside the last backward pass (plan.last_in_loop): the mean hook, no state.
+        summed = jax.tree.unflatten(jax.tree.structure(params), sums)
+        return jax.tree.leaves(reduce_buckets(summed)[0])
 
     out = local_gradients(
         objective,
@@ -262,7 +257,7 @@ def reduce_step(
         track=plan.usage.conditional if tracked else (),
         gather_aux=config.gather_aux,
         last_after_loop=config.on_gpu,
-        finish=finish if with_last else None,
+        finish=finish if plan.last_in_loop else None,
     )
     # Gradients of parameters cast for compute return to the master dtypes.
     local = out.grads if low is None else master_gradients(out.grads, master)
@@ -286,23 +281,13 @@ def reduce_step(
         grads = finish_gradients(
             out.grads, plan.buckets, dims, frozenset(scattered), axis, flat=flat
         )
-    elif with_last:  # reduced with the last micro-batch (a stateless hook)
+    elif plan.last_in_loop:  # reduced with the last micro-batch
         grads = local
     elif in_loop:  # summed in the backward loop already; the rest all-reduced as usual
         whole = (None,) * len(dims)
         grads = finish_gradients(out.grads, plan.buckets, whole, frozenset(in_loop), axis)
     else:
-        grads, hook_state = reduce_with_hook(
-            config.hook,
-            hook_state,
-            local,
-            axis_name=axis,
-            plan=plan.buckets,
-            layout=config.bound_layout,
-            params=params,
-            shard_dims=dims if config.scatters_gradients else None,
-            grouped=config.groups_buckets,
-        )
+        grads, hook_state = reduce_buckets(local)
         if config.groups_buckets and plan.buckets.buckets:  # one collective fewer
             loss_key = bucket_key(plan.buckets.buckets[-1].index)
     keep = None

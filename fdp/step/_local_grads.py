@@ -4,7 +4,7 @@ This is DDP's ``no_sync``: ``K`` micro-batches are scanned, their gradients summ
 locally (in float32 for 16-bit parameters), and nothing crosses devices until the
 one bucketed reduction that follows. The first ``K - 1`` run in a loop and the
 last after it, so the reduction can overlap the last micro-batch's backward pass
-(on GPUs the two run together in a loop of one trip: see ``finish``).
+(with ``finish``, the two run together in a loop of one trip).
 
 The objective each device differentiates is weighted so that the *mean over
 the N devices* of the local gradients is the gradient the step applies:
@@ -271,8 +271,16 @@ def local_gradients(
 
     Returns:
       A :class:`LocalGrads`.
+
+    Raises:
+      ValueError: ``finish`` with ``accumulate_steps=1``.
     """
     k = accumulate_steps
+    if finish is not None and k == 1:
+        raise ValueError(
+            "local_gradients(finish=...) reduces with the last of several micro-batches; "
+            "got accumulate_steps=1."
+        )
     leaves, treedef = jax.tree.flatten(params)
     dtypes = [jnp.result_type(x) for x in leaves]
     if per_example:
@@ -342,15 +350,12 @@ def local_gradients(
         if finish is None:
             state, aux_last = micro(state, last)
         else:
-            aux_like = jax.eval_shape(lambda s, x: micro(s, x)[1], state, last)
-            aux_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_like)
 
-            def last_and_finish(carry: tuple) -> tuple:
-                st, _ = carry
+            def last_and_finish(st: tuple) -> tuple[tuple, Any]:
                 st, aux_l = micro(st, last)
                 return (list(finish(st[0])), *st[1:]), aux_l
 
-            state, aux_last = _compat.run_once(last_and_finish, (state, aux_zero))
+            state, aux_last = _compat.run_once(last_and_finish, state)
         aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux_head, aux_last)
     acc, carry, loss_acc, used = state
     grads = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(acc, dtypes, strict=True)])

@@ -8,13 +8,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fdp.backends import FoldCount, count_in_jaxpr
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
-from fdp.step._constraints import check_no_data_constraints
+from fdp.step._constraints import check_no_data_constraints, communicates_over
+from fdp.step._local_grads import accum_dtype_for
 from fdp.step._ready import ready_order_of
 from fdp.step._scanned import scanned_leaves
 from fdp.step._state import hook_is_stateful
@@ -40,6 +42,11 @@ class StepPlan:
         gradients stages 0-2 reduce inside the backward loop
         (:mod:`fdp.step._scanned`); empty where the config does not, or where
         ``FDP_CHECK_FINITE`` tests each device's own gradients.
+      last_in_loop: the last micro-batch and the bucket reductions run in a loop
+        of one trip, and the step's shard_map without replication typing
+        (:attr:`fdp.step._config.StepConfig.reduces_with_last_micro_batch`, where
+        every parameter accumulates in its own floating dtype, the loss runs no
+        collective over the data axis, and ``FDP_CHECK_FINITE`` is off).
     """
 
     buckets: BucketPlan
@@ -47,9 +54,10 @@ class StepPlan:
     rows: int
     folds: FoldCount | None = None
     scanned: tuple[int, ...] = ()
+    last_in_loop: bool = False
 
     def _key(self) -> tuple:
-        return (self.buckets, self.usage, self.rows, self.folds, self.scanned)
+        return (self.buckets, self.usage, self.rows, self.folds, self.scanned, self.last_in_loop)
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, StepPlan) and self._key() == other._key())
@@ -129,4 +137,24 @@ def _prepare(
     # reduced in the loop is every device's by then.
     in_loop = config.reduces_scanned_in_loop and not finite.enabled()
     scanned = scanned_leaves(closed.jaxpr, len(paths)) if in_loop else ()
-    return StepPlan(buckets, usage, rows, folds, scanned)
+    last_in_loop = _last_in_loop(config, param_structs, closed.jaxpr)
+    return StepPlan(buckets, usage, rows, folds, scanned, last_in_loop)
+
+
+def _last_in_loop(config: StepConfig, params: Any, jaxpr: Any) -> bool:
+    """Whether the last micro-batch and the reductions share a loop of one trip.
+
+    That step runs without replication typing, which would change the gradient of
+    a loss that communicates over the data axis (the transpose of a psum is a psum
+    there), and reduces in the loop, where ``FDP_CHECK_FINITE`` could no longer
+    name the device whose own gradients are not finite. The accumulators take the
+    gradients' place, so they must be in the parameters' dtypes.
+    """
+    if not config.reduces_with_last_micro_batch or finite.enabled():
+        return False
+    own = all(
+        jnp.issubdtype(x.dtype, jnp.floating)
+        and accum_dtype_for(x.dtype, config.accum_dtype) == x.dtype
+        for x in jax.tree.leaves(params)
+    )
+    return own and not communicates_over(jaxpr, config.axis_names)

@@ -83,6 +83,7 @@ class Step(StepRunner):
                 lambda *args: self._local_step(plan, static, *args),
                 in_specs=(spec, data, P(), data),
                 out_specs=(spec, metrics_specs(cfg.axis_name)),
+                check_vma=not plan.last_in_loop,  # the loop's carry turns replicated
             )
             parts, metrics = local(parts, batch, rng, mask)
         return front.join(static, parts), join_metrics(metrics, size)

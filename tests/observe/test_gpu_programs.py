@@ -136,6 +136,31 @@ def test_the_last_micro_batch_adds_into_the_accumulator_in_place(gpu_mesh):
     )
 
 
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"accumulate_steps": 4}, True),
+        ({"accumulate_steps": 1}, False),
+        ({"accumulate_steps": 4, "comm_hook": "bf16_compress"}, False),  # packs its buckets
+        ({"accumulate_steps": 4, "zero_stage": 1}, False),
+        (
+            {
+                "accumulation": fdp.Accumulation(steps=4),
+                "sharding": fdp.Sharding(param_dtype=jnp.bfloat16),
+            },
+            False,
+        ),
+    ],
+)
+def test_which_gpu_steps_reduce_in_the_loop_of_the_last_micro_batch(gpu_mesh, settings, expected):
+    step = fdp.train_step(loss_fn, mesh=gpu_mesh, **settings)
+    lowered = step.lower(*abstract_inputs(gpu_mesh))
+    assert step.config.reduces_with_last_micro_batch is expected
+    assert step.step_plan.last_in_loop is expected
+    assert (_compat.XLA_KEEP_ONE_TRIP_LOOP in lowered.as_text()) is expected
+    assert not loop_collectives(lowered).ops  # a loop of one trip repeats nothing
+
+
 def test_stage_3_keeps_parameters_sharded_between_steps(gpu_mesh):
     step, compiled = compile_step(gpu_mesh, zero_stage=3)
     shardings = jax.tree.leaves(compiled.output_shardings[0].params)

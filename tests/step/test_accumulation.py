@@ -105,33 +105,104 @@ def test_a_one_trip_loop_of_the_last_micro_batch_and_its_reduction_gives_the_sam
     chex.assert_trees_all_close(inside, after, rtol=2e-6, atol=1e-8)
     assert (
         "skip-simplify-while-loops_trip-count-one"
-        in jax.jit(lambda x: _compat.run_once(lambda y: y * 2, x)).lower(jnp.ones(3)).as_text()
+        in jax.jit(lambda x: _compat.run_once(lambda y: (y * 2, None), x))
+        .lower(jnp.ones(3))
+        .as_text()
     )
 
 
-def test_the_step_with_its_one_trip_loop_equals_one_step_on_the_whole_batch(monkeypatch):
-    # GPU steps run the last micro-batch and the bucket reductions in a loop of one trip
-    # (StepConfig.reduces_with_last_micro_batch), unchecked by JAX's replication typing.
-    # Run that step here, on CPU devices, against one device on the whole batch.
+def force_one_trip_loop(monkeypatch):
+    """GPU steps' loop of one trip (StepConfig.reduces_with_last_micro_batch), on CPU devices."""
     monkeypatch.setattr(
         StepConfig,
         "reduces_with_last_micro_batch",
         property(lambda self: self.accumulate_steps > 1 and self.zero_stage == 0),
     )
+
+
+def test_the_step_with_its_one_trip_loop_equals_one_step_on_the_whole_batch(monkeypatch):
+    # GPU steps run the last micro-batch and the bucket reductions in a loop of one trip,
+    # unchecked by JAX's replication typing. Run that step here, on CPU devices, against
+    # one device on the whole batch.
+    force_one_trip_loop(monkeypatch)
     init = make_state("cnn", "adam")
     loss_fn = cross_entropy(init.apply_fn)
     batches = [make_data(s, K * N * B) for s in range(2)]
     want, want_losses = reference_steps(init, batches, loss_fn)
     step = fdp.train_step(loss_fn, accumulation=fdp.Accumulation(steps=K))
     state = fdp.replicate(init)
-    lowered = step.lower(state, fdp.shard_batch(batches[0])).as_text()
-    assert _compat.XLA_KEEP_ONE_TRIP_LOOP in lowered  # the path under test
-    assert not step.config.check_vma
+    lowered = step.lower(state, fdp.shard_batch(batches[0]))
+    assert step.step_plan.last_in_loop  # the path under test
+    assert _compat.XLA_KEEP_ONE_TRIP_LOOP in lowered.as_text()
+    assert not fdp.loop_collectives(lowered).ops  # a loop of one trip repeats nothing
     for batch, want_loss in zip(batches, want_losses, strict=True):
         state, metrics = step(state, fdp.shard_batch(batch))
         np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
     chex.assert_trees_all_close(state.params, want.params, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(state.opt_state, want.opt_state, rtol=1e-5, atol=1e-6)
+
+
+def per_example_cross_entropy(apply_fn):
+    def loss_fn(params, batch):
+        logits = apply_fn({"params": params}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    return loss_fn
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"reduction": fdp.Reduction(grad_norm=True)},
+        {"accumulation": fdp.Accumulation(steps=K, op="sum")},
+        {"loss": fdp.Loss(per_example=True)},
+        {"loss": fdp.Loss(find_unused_parameters=True)},
+    ],
+    ids=["grad_norm", "sum", "per_example", "find_unused"],
+)
+def test_the_one_trip_loop_changes_no_step_result(monkeypatch, settings):
+    init = make_state("mlp", "adam")
+    per_example = "loss" in settings and settings["loss"].per_example
+    loss_of = per_example_cross_entropy if per_example else cross_entropy
+    settings = {"accumulation": fdp.Accumulation(steps=K), **settings}
+    batches = [fdp.shard_batch(make_data(s, K * N * B)) for s in range(2)]
+
+    def run():  # a new loss function each time: its own plan
+        step = fdp.train_step(loss_of(init.apply_fn), **settings)
+        state, metrics = fdp.replicate(init), []
+        for batch in batches:
+            state, m = step(state, batch)
+            metrics.append(m)
+        return step.step_plan.last_in_loop, state, metrics
+
+    after_loop, want, want_metrics = run()
+    force_one_trip_loop(monkeypatch)
+    in_loop, got, got_metrics = run()
+    assert (after_loop, in_loop) == (False, True)
+    chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got_metrics, want_metrics, rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_that_communicates_or_the_finite_guard_keeps_the_reduction_after_the_loop(
+    monkeypatch,
+):
+    # Without replication typing the transpose of a psum is a psum, which would change
+    # the gradient of a loss that reduces over the data axis itself; and FDP_CHECK_FINITE
+    # tests each device's own gradients, before any reduction.
+    force_one_trip_loop(monkeypatch)
+    init = make_state("mlp", "sgd")
+    batch = fdp.shard_batch(make_data(0, K * N * B))
+    local = cross_entropy(init.apply_fn)
+
+    def step_plan(loss_fn):
+        step = fdp.train_step(loss_fn, accumulation=fdp.Accumulation(steps=K))
+        step.lower(fdp.replicate(init), batch)
+        return step.step_plan
+
+    assert step_plan(cross_entropy(init.apply_fn)).last_in_loop
+    assert not step_plan(lambda p, b: jax.lax.pmean(local(p, b), "data")).last_in_loop
+    monkeypatch.setenv("FDP_CHECK_FINITE", "1")
+    assert not step_plan(cross_entropy(init.apply_fn)).last_in_loop
 
 
 def test_bf16_parameters_accumulate_in_float32():
