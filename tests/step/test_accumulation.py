@@ -1,6 +1,7 @@
 """Gradient accumulation (DDP's no_sync): one reduction for K micro-batches."""
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,6 +182,47 @@ def test_the_one_trip_loop_changes_no_step_result(monkeypatch, settings):
     assert (after_loop, in_loop) == (False, True)
     chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(got_metrics, want_metrics, rtol=1e-5, atol=1e-6)
+
+
+class BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x.reshape(x.shape[0], -1))
+        return nn.Dense(10)(nn.relu(nn.BatchNorm(use_running_average=False)(x)))
+
+
+def test_the_one_trip_loop_carries_batch_statistics_as_the_step_without_it(monkeypatch):
+    variables = BNNet().init(jax.random.key(0), jnp.zeros((2, 8, 8, 1)))
+    init = fdp.TrainState.create(
+        apply_fn=BNNet().apply,
+        params=variables["params"],
+        tx=optax.adam(1e-2),
+        batch_stats=variables["batch_stats"],
+    )
+    batches = [fdp.shard_batch(make_data(s, K * N * B)) for s in range(2)]
+
+    def run():
+        def loss_fn(params, batch, batch_stats):  # a new function each time: its own plan
+            logits, updates = init.apply_fn(
+                {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, updates["batch_stats"]
+
+        step = fdp.train_step(loss_fn, accumulation=fdp.Accumulation(steps=K))
+        state = fdp.replicate(init)
+        for batch in batches:
+            state, _ = step(state, batch)
+        return step.step_plan.last_in_loop, state
+
+    after_loop, want = run()
+    force_one_trip_loop(monkeypatch)
+    in_loop, got = run()
+    assert (after_loop, in_loop) == (False, True)
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), want.batch_stats, init.batch_stats)
+    assert min(jax.tree.leaves(moved)) > 1e-3  # the statistics did move
+    chex.assert_trees_all_close(got.batch_stats, want.batch_stats, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-6)
 
 
 def test_a_loss_that_communicates_or_the_finite_guard_keeps_the_reduction_after_the_loop(
