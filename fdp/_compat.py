@@ -505,8 +505,8 @@ def _named_axes_readable() -> bool:
         lambda x: jax.lax.psum(x, "fdp_probe") + jax.lax.all_gather(x, "fdp_probe").sum(),
         axis_env=[("fdp_probe", 2)],
     )(1.0)
-    found = [_raw_named_axes(e) for e in closed.jaxpr.eqns if e.primitive.name != "add"]
-    return ("fdp_probe",) in found and found.count(("fdp_probe",)) >= 2
+    named = [axes for axes in map(_raw_named_axes, closed.jaxpr.eqns) if axes]
+    return named == [("fdp_probe",), ("fdp_probe",)]  # the psum's and the all_gather's
 
 
 def named_axes(eqn: Any) -> tuple[str, ...]:
