@@ -66,6 +66,17 @@ def _raw_varying_axes(x: Any) -> frozenset[str] | None:
     return None
 
 
+def _probe_mesh(size: int) -> jax.sharding.AbstractMesh:
+    """A one-axis abstract mesh for the probes, its axis ``Auto`` on every JAX.
+
+    ``AbstractMesh`` makes ``Auto`` axes in jax 0.10 and ``Explicit`` ones from 0.12;
+    under an ``Explicit`` axis shard_map checks ``in_specs`` against the types of the
+    probe's unsharded inputs and refuses them.
+    """
+    auto = (jax.sharding.AxisType.Auto,)
+    return jax.sharding.AbstractMesh((size,), ("fdp_probe",), axis_types=auto)
+
+
 def _probe_varying_axes() -> bool:
     """Whether ``axis_index`` inside a replication-checked shard_map reads as varying.
 
@@ -75,7 +86,7 @@ def _probe_varying_axes() -> bool:
     another shard_map's trace or under ``jax.set_mesh`` (their context mesh
     refuses the probe's), which :func:`_varying_axes_readable` sees to.
     """
-    mesh = jax.sharding.AbstractMesh((1,), ("fdp_probe",))
+    mesh = _probe_mesh(1)
     seen: list[frozenset[str] | None] = []
 
     def probe(x: jax.Array) -> jax.Array:
@@ -152,7 +163,7 @@ def _contains_primitive(jaxpr: Any, name: str) -> bool:
 
 def _probe_auto_reduction() -> bool:
     """Whether the gradient of a replicated value in a checked shard_map shows the primitive."""
-    mesh = jax.sharding.AbstractMesh((2,), ("fdp_probe",))
+    mesh = _probe_mesh(2)
     spec = jax.sharding.PartitionSpec
 
     def body(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -648,6 +659,22 @@ class ScanParts(NamedTuple):
     unroll: int | bool
 
 
+def _scan_counts(params: dict[str, Any]) -> tuple[Any, Any]:
+    """``(num_consts, num_carry)`` of a scan's params, in either JAX's form (or Nones).
+
+    jax 0.10 writes the two counts; from 0.12 the inputs' structure is a flat tree
+    ``ft_in`` of three parts (constants, carry, scanned-over arrays), read with
+    its ``unpack()`` and the parts' ``len()``.
+    """
+    if "num_consts" in params or "ft_in" not in params:
+        return params.get("num_consts"), params.get("num_carry")
+    try:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    except (AttributeError, TypeError, ValueError):
+        return None, None
+
+
 def scan_parts(eqn: Any) -> ScanParts:
     """The body and settings of a ``scan`` equation (fdp's per-layer gathers re-run it).
 
@@ -656,18 +683,20 @@ def scan_parts(eqn: Any) -> ScanParts:
     """
     params = eqn.params
     body = params.get("jaxpr")
-    numbers = [params.get(k) for k in ("num_consts", "num_carry", "length")]
+    numbers = [*_scan_counts(params), params.get("length")]
     if (
         not isinstance(body, jex.ClosedJaxpr)
         or not all(isinstance(x, int) for x in numbers)
         or not isinstance(params.get("reverse"), bool)
         or not isinstance(params.get("unroll"), int | bool)
         or len(body.jaxpr.invars) != len(eqn.invars)
+        or numbers[0] + numbers[1] > len(eqn.invars)
     ):
         raise _broken(
             "a lax.scan in a jaxpr",
             f"its 'scan' equation has params {sorted(params)} (expected 'jaxpr', a ClosedJaxpr "
-            "taking the equation's inputs, and ints 'num_consts', 'num_carry', 'length', "
+            "taking the equation's inputs; 'num_consts' and 'num_carry' as ints, or 'ft_in' "
+            "unpacking to constants, carry and scanned-over inputs; an int 'length' and "
             "'unroll', a bool 'reverse'); fdp's per-layer gathers at ZeRO stage 3 read them",
         )
     num_consts, num_carry, length = cast(list[int], numbers)
