@@ -14,6 +14,8 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 from fdp import _compat
 
 _HLO_BITS = {
@@ -82,7 +84,10 @@ class Collective:
       dtypes: element type of each result (HLO spelling, e.g. ``f32``, ``bf16``).
       shapes: shape of each result, per device.
       nbytes: bytes of all results, per device.
-      replica_groups: the replica groups as written in the program.
+      replica_groups: the replica groups as written in the program; StableHLO's
+        mesh-axes groups (``#stablehlo.replica_group_mesh_axes``, whose mesh
+        is declared apart) in the compiled-HLO mesh spelling
+        ``mesh['x'=4,'y'=2] {'x'}``; empty where the op names none.
       buckets: the indices of fdp's buckets the op carries, read from its
         metadata (``fdp_bucket_N`` scopes; several when XLA combined buckets
         into one op); empty for other collectives or where XLA dropped the
@@ -97,23 +102,41 @@ class Collective:
     buckets: tuple[int, ...] = ()
 
     @property
-    def group_size(self) -> int:
-        """Devices in each replica group (1 when the program names none).
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """The replica groups, as tuples of logical device ids.
 
-        Reads the three spellings XLA prints: explicit groups ``{{0,1},{2,3}}``,
-        iota groups ``[2,2]<=[4]`` (the last size) and mesh groups
-        ``mesh['x'=2,'y'=4] {'y'}`` (the product of the named axes).
+        Reads every spelling the programs use: explicit groups (``{{0,2},{1,3}}``
+        in HLO, ``[[0, 2], [1, 3]]`` from StableHLO's ``dense<...>``), iota groups
+        ``[G,S]<=[dims]T(perm)`` (an iota over the devices, reshaped to ``dims``,
+        transposed by ``perm``, then cut into ``G`` groups of ``S``) and mesh groups
+        ``mesh['x'=4,'y'=2] {'x'}``, with or without ``device_ids=(...)`` and
+        sub-axes ``'x':(1)2`` (the devices along the named axes, the other axes
+        fixed). StableHLO's mesh-axes groups are read as mesh groups (see
+        :attr:`replica_groups`). A device id is a position in the program's
+        device assignment (the flattened mesh).
+
+        Returns:
+          One tuple per group, in the program's order; ``()`` when the program
+          names no groups (the op then spans all devices).
+
+        Raises:
+          ValueError: ``replica_groups`` is in no spelling above.
+
+        Example:
+          >>> line = ("%ar = f32[8]{0} all-reduce(f32[8]{0} %p), channel_id=1, "
+          ...         "replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add")
+          >>> (op,) = collective_stats(line).ops
+          >>> op.groups
+          ((0, 2, 4, 6), (1, 3, 5, 7))
+          >>> op.group_size
+          4
         """
-        text = self.replica_groups
-        mesh = re.match(r"mesh\[(.*?)\].*?\{(.*?)\}", text)
-        if mesh:
-            sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh[1]))
-            return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", mesh[2]))
-        iota = re.match(r"\[([\d,]+)\]<=", text)
-        if iota:
-            return int(iota[1].split(",")[-1])
-        groups = re.findall(r"[\[{]([\d,\s]+)[\]}]", text)
-        return max((len(g.replace(" ", "").split(",")) for g in groups), default=1)
+        return _read_groups(self.replica_groups)
+
+    @property
+    def group_size(self) -> int:
+        """Devices in each replica group, from :attr:`groups` (1 when the program names none)."""
+        return max((len(g) for g in self.groups), default=1)
 
     @property
     def sent_bytes(self) -> float:
@@ -173,6 +196,155 @@ class CollectiveStats:
         return dict(out)
 
 
+_MESH_GROUPS = re.compile(
+    r"mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\))?"
+    r"\s*\{(?P<grouped>[^}]*)\}"
+)
+_IOTA_GROUPS = re.compile(r"\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(i) for i in re.findall(r"-?\d+", text)]
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """``[dims]T(perm)``: an iota over ``prod(dims)``, reshaped to ``dims``, transposed, flat."""
+    shape = _ints(dims)
+    devices = np.arange(math.prod(shape)).reshape(shape)
+    return devices.transpose(_ints(perm) if perm else None).ravel()
+
+
+def _mesh_groups(axes: str, ids: str | None, grouped: str) -> np.ndarray:
+    """The groups of ``mesh[axes], device_ids=(ids) {grouped}``, as XLA computes them.
+
+    Each mesh axis is split into the sub-axes the groups name (``'x':(pre)size``:
+    the sub-axis of ``size`` after ``pre`` major devices); the devices are laid
+    out on these dimensions, the grouped ones moved last in the order named, and
+    read in groups.
+    """
+    sizes = {n: int(k) for n, k in re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", axes)}
+    refs = [
+        (m[1], (int(m[2]), int(m[3])) if m[2] else None)
+        for m in re.finditer(r"'?([^',:()\s]+)'?(?::\((\d+)\)(\d+))?", grouped)
+    ]
+    if not sizes or any(name not in sizes for name, _ in refs):
+        raise ValueError(f"mesh groups name axes their mesh lacks: {grouped!r} of {axes!r}.")
+    total = math.prod(sizes.values())
+    if ids is None or not ids.strip():
+        devices = np.arange(total)
+    elif iota := re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", ids):
+        devices = _iota(iota[1], iota[2])
+    else:
+        devices = np.array(_ints(ids))
+    dims: list[int] = []  # the mesh's axes, split where the groups take sub-axes
+    where: dict[tuple[str, tuple[int, int] | None], int] = {}
+    for name, size in sizes.items():
+        cuts = sorted(sub for n, sub in refs if n == name and sub is not None)
+        if any(n == name and sub is None for n, sub in refs):
+            where[name, None] = len(dims)
+            dims.append(size)
+            continue
+        done = 1  # devices of the axis laid out so far, major first
+        for pre, sub in cuts:
+            if pre != done:
+                dims.append(pre // done)
+            where[name, (pre, sub)] = len(dims)
+            dims.append(sub)
+            done = pre * sub
+        if done != size:
+            dims.append(size // done)
+    taken = [where[ref] for ref in refs]
+    order = [d for d in range(len(dims)) if d not in taken] + taken
+    per_group = math.prod(dims[d] for d in taken)
+    return devices.reshape(dims).transpose(order).reshape(-1, per_group)
+
+
+def _read_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    """The replica groups written as ``text`` (see :attr:`Collective.groups`)."""
+    text = text.strip()
+    if mesh := _MESH_GROUPS.fullmatch(text):
+        groups = _mesh_groups(mesh["axes"], mesh["ids"], mesh["grouped"])
+    elif iota := _IOTA_GROUPS.fullmatch(text):
+        groups = _iota(iota["dims"], iota["perm"]).reshape(_ints(iota["shape"]))
+    elif re.fullmatch(r"[\d\s,\[\]{}-]*", text):
+        # Explicit groups; StableHLO pads uneven groups with -1.
+        inner = re.findall(r"[\[{]([\d\s,-]*)[\]}]", text) or [text]
+        found = [tuple(i for i in _ints(g) if i >= 0) for g in inner]
+        return tuple(g for g in found if g)
+    else:
+        raise ValueError(f"Cannot read replica groups from {text!r}.")
+    return tuple(tuple(int(i) for i in g) for g in groups)
+
+
+def _sdy_meshes(text: str) -> dict[str, str]:
+    """The meshes a StableHLO module declares (``sdy.mesh @name = <[...]>``), by name.
+
+    Each in the compiled-HLO spelling, ``mesh['x'=4,'y'=2]`` (``, device_ids=(...)``
+    added where the devices are not in iota order).
+    """
+    meshes = {}
+    for m in re.finditer(
+        r'^\s*sdy\.mesh\s+@(?:"([^"]+)"|([\w.$-]+))\s*=\s*<\[([^\]]*)\]'
+        r"(?:,\s*device_ids\s*=\s*\[([^\]]*)\])?",
+        text,
+        flags=re.MULTILINE,
+    ):
+        axes = re.findall(r'"([^"]+)"\s*=\s*(\d+)', m[3])
+        if axes:
+            meshes[m[1] or m[2]] = _mesh_spelling(axes, m[4])
+    return meshes
+
+
+def _mesh_spelling(axes: list[tuple[str, str]], ids: str | None) -> str:
+    spelled = "mesh[" + ",".join(f"'{name}'={size}" for name, size in axes) + "]"
+    if ids and _ints(ids) != list(range(len(_ints(ids)))):
+        spelled += ", device_ids=(" + ",".join(str(i) for i in _ints(ids)) + ")"
+    return spelled
+
+
+def _stablehlo_groups(line: str, meshes: dict[str, str]) -> str:
+    """The replica groups of a StableHLO op, as :attr:`Collective.replica_groups` holds them.
+
+    ``dense<...>``'s groups as written; mesh-axes groups in the compiled-HLO mesh
+    spelling (``mesh['x'=4,'y'=2] {'x'}``), their mesh read from ``meshes`` or inline.
+    """
+    dense = re.search(r"replica_groups = dense<(.*?)>(?:\s*:\s*tensor<(\d+)x(\d+)x)?", line)
+    if dense:
+        if re.fullmatch(r"-?\d+", dense[1].strip()) and dense[2]:  # a splat
+            row = "[" + ", ".join([dense[1].strip()] * int(dense[3])) + "]"
+            return "[" + ", ".join([row] * int(dense[2])) + "]"
+        return dense[1]
+    start = line.find("replica_groups = #stablehlo.replica_group_mesh_axes<")
+    if start < 0:
+        return ""
+    depth, end = 0, start
+    for end in range(line.index("<", start), len(line)):
+        depth += {"<": 1, ">": -1}.get(line[end], 0)
+        if depth == 0:
+            break
+    attr = line[start : end + 1]
+    inline = re.search(
+        r"mesh = #stablehlo\.mesh<axes\s*=\s*\[(.*?)\](?:,\s*device_ids=(.*?)>)?", attr
+    )
+    if inline:
+        axes = re.findall(r'<name = "([^"]+)", size = (\d+)', inline[1])
+        ids = re.sub(r"^\s*(?:array<i64:|dense<)|>.*$", "", inline[2] or "")
+        mesh = _mesh_spelling(axes, ids or None)
+    else:
+        ref = re.search(r'mesh = @(?:"([^"]+)"|([\w.$-]+))', attr)
+        mesh = meshes.get(ref[1] or ref[2], "") if ref else ""
+    if not mesh:  # the mesh is declared in a part of the module not given: as written
+        return attr.removeprefix("replica_groups = ")
+    grouped = [
+        f"'{m[1]}'" + (f":{m[2]}" if m[2] else "")
+        for m in re.finditer(
+            r'#stablehlo\.axis_ref<name = "([^"]+)"(?:, sub_axis_info = (\(\d+\)\d+))?>', attr
+        )
+    ]
+    return mesh + " {" + ",".join(grouped) + "}"
+
+
 def _top_level(types: str) -> list[str]:
     """The elements of an HLO tuple type ``(a, (b, c), d)``; ``[types]`` if not a tuple."""
     types = re.sub(r"/\*.*?\*/", "", types).strip()
@@ -194,14 +366,18 @@ def _top_level(types: str) -> list[str]:
 def _result_types(op: str, started: bool, types: str) -> str:
     """The results of a collective, from the type of its op.
 
-    XLA:GPU runs collectives as async pairs. ``all-reduce-start`` yields the
-    results; ``all-gather-start``, ``reduce-scatter-start`` and
-    ``collective-permute-start`` yield ``(operands, results[, context...])``:
-    only the results count, as for the synchronous op.
+    XLA:GPU runs collectives as async pairs. ``all-gather-start``,
+    ``reduce-scatter-start`` and ``collective-permute-start`` yield
+    ``(operands, results[, context...])``: only the results count, as for the
+    synchronous op. ``all-reduce-start`` yields its results (jaxlib 0.10), or
+    ``((operands), results)`` where they alias its operands (0.12): an
+    all-reduce's operands are arrays, so a tuple first names that form.
     """
-    if not started or op == "all-reduce":
+    if not started:
         return types
     parts = _top_level(types)
+    if op == "all-reduce" and not (len(parts) == 2 and parts[0].startswith("(")):
+        return types
     return parts[1] if len(parts) >= 2 else types
 
 
@@ -231,7 +407,7 @@ def _hlo_ops(text: str) -> list[Collective]:
             r"replica_groups=(mesh\[[^\]]*\]"
             # XLA's partitioner names the devices too: device_ids=([2,4]T(1,0)).
             r"(?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}"
-            r"|\{[^ ]*\}|\[[^ ]*\][^ ,]*)",
+            r"|\{[^ ]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|\[[^ ]*\][^ ,]*)",
             line,
         )
         ops.append(
@@ -280,7 +456,9 @@ _MLIR_TO_HLO = {
 }
 
 
-def _stablehlo_ops(text: str) -> list[Collective]:
+def _stablehlo_ops(text: str, meshes: dict[str, str] | None = None) -> list[Collective]:
+    """The collectives of StableHLO ``text``; ``meshes``: the module's (default: ``text``'s)."""
+    meshes = _sdy_meshes(text) if meshes is None else meshes
     ops = []
     lines = text.splitlines()
     op_re = re.compile(r'"?stablehlo\.(' + "|".join(_MLIR_OPS) + r')"?[\s(]')
@@ -307,12 +485,8 @@ def _stablehlo_ops(text: str) -> list[Collective]:
             dtypes.append(_MLIR_TO_HLO.get(dt, dt))
             shapes.append(shape)
             nbytes += math.prod(shape) * _MLIR_BITS.get(dt, 32) // 8
-        groups = re.search(r"replica_groups = dense<(.*?)>", line)
-        ops.append(
-            Collective(
-                _MLIR_OPS[m[1]], tuple(dtypes), tuple(shapes), nbytes, groups[1] if groups else ""
-            )
-        )
+        groups = _stablehlo_groups(line, meshes)
+        ops.append(Collective(_MLIR_OPS[m[1]], tuple(dtypes), tuple(shapes), nbytes, groups))
     return ops
 
 
@@ -459,6 +633,7 @@ def loop_collectives(lowered: Any) -> CollectiveStats:
         seen.add(name)
         pieces.append(functions[name])
         todo.extend(re.findall(r"func\.call @([\w.$-]+)", functions[name]))
+    meshes = _sdy_meshes(text)
     return CollectiveStats(
-        "stablehlo", tuple(op for piece in pieces for op in _stablehlo_ops(piece))
+        "stablehlo", tuple(op for piece in pieces for op in _stablehlo_ops(piece, meshes))
     )

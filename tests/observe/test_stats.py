@@ -153,5 +153,32 @@ def test_mesh_groups_that_name_their_devices_are_read():
     assert op.replica_groups.startswith("mesh['axis_0'=4") and op.replica_groups.endswith(
         "{'axis_0'}"
     )
+    assert op.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert op.group_size == 4
     assert op.sent_bytes == 64 * 32 * 4 * 3 / 4
+
+
+# XLA:GPU's async all-reduce as jaxlib 0.10 writes it (the results) and as 0.12 does
+# (operands, then the results that alias them), shortened.
+_START_010 = (
+    "  %all-reduce-start = (f32[256]{0}, f32[256,256]{1,0}) all-reduce-start(%a, %b), "
+    "channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true"
+)
+_START_012 = (
+    "  %all-reduce-start = ((f32[256]{0}, f32[256,256]{1,0}), (f32[256]{0}, f32[256,256]{1,0})) "
+    "all-reduce-start(%a, %b), channel_id=1, replica_groups=mesh['data'=8] {'data'}, "
+    "use_global_device_ids=true, output_to_operand_aliasing={{1,0}: (0, {}), {1,1}: (1, {})}"
+)
+_START_ONE_012 = (
+    "  %all-reduce-start = ((f32[]), f32[]) all-reduce-start(%a), channel_id=1, "
+    "replica_groups=mesh['data'=8] {'data'}, output_to_operand_aliasing={{1}: (0, {})}"
+)
+
+
+@pytest.mark.parametrize("line", [_START_010, _START_012])
+def test_an_async_all_reduce_counts_its_results_once(line):
+    (op,) = fdp.collective_stats(line).ops
+    assert op.shapes == ((256,), (256, 256)) and op.nbytes == (256 + 256 * 256) * 4
+    assert op.groups == (tuple(range(8)),)
+    (op,) = fdp.collective_stats(_START_ONE_012).ops
+    assert op.shapes == ((),) and op.nbytes == 4

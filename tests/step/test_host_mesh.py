@@ -4,8 +4,6 @@
 (plain optax), and the flat reduction over a 1-D mesh of the same devices.
 """
 
-import re
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -94,8 +92,7 @@ def test_hierarchical_equals_the_flat_reduction_over_one_axis():
 
 
 def _groups(op):
-    found = re.findall(r"[\[{]([\d,]+)[\]}]", op.replica_groups.replace(" ", ""))
-    return [[int(i) for i in g.split(",")] for g in found]
+    return [list(g) for g in op.groups]
 
 
 @pytest.mark.parametrize("program", ["lowered", "compiled"])
