@@ -251,6 +251,32 @@ def jit_cache_size(jitted: Callable[..., Any]) -> int:
     return int(cast(Callable[[], int], size)())
 
 
+# -- XLA:CPU's collectives under a long queue of steps ---------------------------------------
+
+
+def _jax_minor() -> tuple[int, int]:
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+CPU_STEPS_IN_FLIGHT = 8
+"""How many multi-device CPU steps fdp lets wait in JAX's queue under jax 0.10.
+
+XLA:CPU in jaxlib 0.10.2 aborts the process (``rendezvous.cc: Termination
+timeout for all reduce ... Expected 2 threads to join the rendezvous, but only 1
+of them arrived``) when a few hundred steps with collectives over several devices
+of one process are dispatched without the host waiting. Measured on 2 simulated
+CPU devices, 3,000 steps of a jitted all-reduce step: unbounded, 64 and 32 in
+flight aborted; 16, 8 and 4 completed (0.72, 0.81 and 0.99 s). jax 0.12.0.1
+completes 3,000 unbounded.
+"""
+
+
+def cpu_steps_in_flight() -> int | None:
+    """The bound on queued multi-device CPU steps this JAX needs (None: none needed)."""
+    return CPU_STEPS_IN_FLIGHT if _jax_minor() < (0, 11) else None
+
+
 # -- XLA pass names -------------------------------------------------------------------------
 
 CPU_ALL_REDUCE_COMBINER = "cpu-all-reduce-combiner"
@@ -414,9 +440,21 @@ GPU_PIPELINED_REDUCE_SCATTER = "xla_gpu_enable_pipelined_reduce_scatter"
 It moves a loop trip's reduce-scatter into the next trip, so it overlaps that
 trip's work, and keeps the whole value it scatters (a layer's gradient) alive
 across the trip boundary, with a copy. jaxlib 0.11.2's XLA has no option of this
-name (seen on a lent H100); a release without it compiles the step without it
-(see :func:`known_compile_options`).
+name (seen on a lent H100); 0.12's has :data:`GPU_PIPELINE_REDUCE_SCATTER` instead,
+which :func:`known_compile_options` sets in its place. A release with neither
+compiles the step without it.
 """
+
+GPU_PIPELINE_REDUCE_SCATTER = "xla_gpu_pipeline_reduce_scatter"
+"""The same switch in jaxlib 0.12's XLA: an enum ``COLLECTIVE_PIPELINING_MODE_{OFF,ON,...}``."""
+
+# An optional option a newer XLA renamed: its new name, and its value for each old value.
+_RENAMED_OPTIONS: dict[str, tuple[str, dict[Any, Any]]] = {
+    GPU_PIPELINED_REDUCE_SCATTER: (
+        GPU_PIPELINE_REDUCE_SCATTER,
+        {False: "COLLECTIVE_PIPELINING_MODE_OFF", True: "COLLECTIVE_PIPELINING_MODE_ON"},
+    ),
+}
 
 
 def gpu_reduce_scatters_in_their_trip() -> dict[str, bool]:
@@ -459,8 +497,9 @@ def known_compile_options(device: Any, options: dict[str, Any]) -> dict[str, Any
     """``options`` less the optional ones that ``device``'s XLA does not have.
 
     The optional ones are :data:`GPU_COLLECTIVES_IN_FLIGHT` and
-    :data:`GPU_PIPELINED_REDUCE_SCATTER`. Experimental XLA options come and go
-    between releases, and an unknown one makes the whole compilation fail. The
+    :data:`GPU_PIPELINED_REDUCE_SCATTER` (set under its new name,
+    :data:`GPU_PIPELINE_REDUCE_SCATTER`, where XLA has that one). Experimental XLA
+    options come and go between releases, and an unknown one makes the whole compilation fail. The
     step is still right without them, only slower or larger, so each missing
     one is left out with a ``UserWarning`` (once per process) that names it and
     what it did. Any other option is passed as given: one XLA lacks fails the
@@ -469,8 +508,11 @@ def known_compile_options(device: Any, options: dict[str, Any]) -> dict[str, Any
     kept = {}
     for name, value in options.items():
         effect = _OPTIONAL_OPTION_EFFECTS.get(name)
+        renamed, values = _RENAMED_OPTIONS.get(name, (None, {}))
         if effect is None or _knows_compile_option(device, name, value):
             kept[name] = value
+        elif renamed is not None and _knows_compile_option(device, renamed, values[value]):
+            kept[renamed] = values[value]
         else:
             _warn_missing_option(name, effect)
     return kept

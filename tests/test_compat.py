@@ -8,6 +8,7 @@ varying axes, carrying on would reduce gradients twice: N-fold gradients).
 import subprocess
 import sys
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -148,8 +149,24 @@ def test_an_experimental_compile_option_this_xla_lacks_is_left_out_with_a_warnin
     options = {missing: True, _compat.GPU_PIPELINED_REDUCE_SCATTER: False, "kept": 1}
     with pytest.warns(UserWarning, match=rf"no compile option '{missing}'.*so nothing happens"):
         kept = _compat.known_compile_options(device, options)
-    # This jaxlib has the real option; an option fdp does not mark optional is passed on.
-    assert kept == {_compat.GPU_PIPELINED_REDUCE_SCATTER: False, "kept": 1}
+    # This jaxlib has the real option (under its jax 0.12 name there); an option fdp does
+    # not mark optional is passed on.
+    real = (
+        {_compat.GPU_PIPELINED_REDUCE_SCATTER: False}
+        if _compat._knows_compile_option(device, _compat.GPU_PIPELINED_REDUCE_SCATTER, False)
+        else {_compat.GPU_PIPELINE_REDUCE_SCATTER: "COLLECTIVE_PIPELINING_MODE_OFF"}
+    )
+    assert kept == {**real, "kept": 1}
+
+
+def test_the_reduce_scatter_pipeliner_switch_reaches_this_xla_under_one_of_its_names():
+    device = jax.devices()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither name known would warn
+        kept = _compat.known_compile_options(device, {_compat.GPU_PIPELINED_REDUCE_SCATTER: True})
+    assert len(kept) == 1
+    ((name, value),) = kept.items()
+    jax.jit(lambda v: v + 1).lower(1.0).compile(compiler_options={name: value})
 
 
 def test_an_unknown_core_compile_option_still_fails_the_compilation():
