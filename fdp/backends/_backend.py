@@ -14,6 +14,12 @@ def _xla_mean(mesh: Mesh, data_size: int) -> Any:
     return None
 
 
+def _unbounded(mesh: Mesh) -> int | None:
+    """The generic default: steps queue as JAX queues them."""
+    del mesh
+    return None
+
+
 class Backend(NamedTuple):
     """The accelerations one platform turns on by default.
 
@@ -27,6 +33,9 @@ class Backend(NamedTuple):
       fold_dots: what ``fold_dots=None`` means on this platform.
       tune_malloc: what ``fdp.init(tune_malloc=None)`` means on a host of this
         platform.
+      steps_in_flight: ``fn(mesh) -> int | None``: how many calls of a step on
+        ``mesh`` may wait in JAX's queue before the host waits for the oldest;
+        None leaves the queue to JAX.
 
     Example:
       >>> GENERIC.name, GENERIC.fold_dots, GENERIC.tune_malloc
@@ -37,6 +46,7 @@ class Backend(NamedTuple):
     default_mean_hook: Callable[[Mesh, int], Any] = _xla_mean
     fold_dots: bool = False
     tune_malloc: bool = False
+    steps_in_flight: Callable[[Mesh], int | None] = _unbounded
 
 
 GENERIC = Backend("generic")

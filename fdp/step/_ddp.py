@@ -46,7 +46,9 @@ from fdp.collectives._axis import AxisName
 from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
 from fdp.hooks._bucketed import REDUCTION_TRACE, ReductionTrace
 from fdp.step._core import reduce_leaf, sync_buffers
+from fdp.step._in_flight import InFlight
 from fdp.step._keys import is_key, per_device
+from fdp.step._runner import in_flight
 
 # REDUCE is fdp.train_step's rule for aux (floats averaged, counts summed) and FIRST its
 # 'broadcast' buffers (device 0's): both from fdp.step._core, not written again here.
@@ -132,6 +134,7 @@ class DDPFunction:
         self._batch_argnums = batch_argnums
         self._layouts: dict[Any, _Layout] = {}
         self._jitted: Any = None
+        self._queue: InFlight | bool | None = False  # False: not decided yet
         try:
             self._arg_names = tuple(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
@@ -318,6 +321,10 @@ class DDPFunction:
             out_leaves, new_state = self._jitted(layout, keys, state, others)
         finally:
             REDUCTION_TRACE.reset(token)
+        if self._queue is False:  # decided at the first call (the mesh's platform)
+            self._queue = in_flight(self.mesh)
+        if isinstance(self._queue, InFlight):
+            self._queue.add(out_leaves)
         if nodes:
             nnx.update(nodes, new_state)
         return jax.tree.unflatten(layout.out_treedef, list(out_leaves))

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from fdp import backends
 from fdp.bucketing import BucketPlan
 from fdp.observe._debug import DebugLevel, debug_level
 from fdp.observe._fingerprint import check_settings_across_processes, settings_fingerprint
@@ -16,6 +17,7 @@ from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
+from fdp.step._in_flight import InFlight
 from fdp.step._plan import StepPlan
 from fdp.step._usage import ParamUsage
 from fdp.step._zero import memory_table, shape_structs
@@ -68,6 +70,8 @@ class StepRunner:
         self._observer = Observer(kind, arg_names, batch_arg, stats)
         self._agreed: set[str] = set()  # where the processes compared their settings
         self._calls = 0  # for the numerics guard's message
+        self._queue: InFlight | None = None  # the platform's bound on queued calls, if any
+        self._queue_decided = False
 
     @property
     def config(self) -> StepConfig:
@@ -205,6 +209,10 @@ class StepRunner:
             if len(self._ran) >= 64:  # as _plans: new shapes every call keep memory bounded
                 self._ran.clear()
             self._ran.add(plan)
+            self._queue = self._queue if self._queue_decided else in_flight(self.config.mesh)
+            self._queue_decided = True
+        if self._queue is not None:  # the metrics (last): the state may be donated next call
+            self._queue.add(out[-1] if isinstance(out, tuple) else out)
         self._calls += 1
         # The metrics come last; a program traced with FDP_CHECK_FINITE=1 holds the codes.
         if isinstance(out, tuple) and isinstance(out[-1], dict) and finite.KEY in out[-1]:
@@ -240,6 +248,12 @@ class StepRunner:
                 "(or its .lower(...)) once first."
             )
         return logging_data(self._kind, self.config, self._last_plan)
+
+
+def in_flight(mesh: Any) -> InFlight | None:
+    """The queue bound the platform's backend sets for steps on ``mesh`` (None: JAX's own)."""
+    limit = backends.for_platform(mesh.devices.flat[0].platform).steps_in_flight(mesh)
+    return None if limit is None else InFlight(limit)
 
 
 def _deleted(x: Any) -> bool:

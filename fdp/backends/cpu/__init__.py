@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
+from fdp import _compat
 from fdp.backends._backend import Backend
 from fdp.backends.cpu._fold import FoldCount as FoldCount
 from fdp.backends.cpu._fold import count_folds as count_folds
@@ -58,9 +59,27 @@ def default_mean_hook(mesh: Mesh, data_size: int) -> CommHook | None:
     return None
 
 
-BACKEND = Backend("cpu", default_mean_hook=default_mean_hook, fold_dots=True, tune_malloc=True)
+def steps_in_flight(mesh: Mesh) -> int | None:
+    """The queue bound jax 0.10's XLA:CPU needs where a step spans devices of this process.
+
+    Several devices of one process meet in XLA:CPU's in-process rendezvous, which
+    jaxlib 0.10.2 aborts under a long queue (:data:`fdp._compat.CPU_STEPS_IN_FLIGHT`).
+    One device per process, or a JAX without the abort, leaves the queue alone.
+    """
+    local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return _compat.cpu_steps_in_flight() if local > 1 else None
+
+
+BACKEND = Backend(
+    "cpu",
+    default_mean_hook=default_mean_hook,
+    fold_dots=True,
+    tune_malloc=True,
+    steps_in_flight=steps_in_flight,
+)
 """The CPU backend: the shared-memory sum, ``fold_dots`` and malloc tuning, each on by
-default where it was measured (docs/performance.md)."""
+default where it was measured (docs/performance.md), and the bound on queued steps that
+jax 0.10 needs on a multi-device CPU mesh."""
 
 # What users call; the rest is for fdp.backends, the dispatch.
 __all__ = [
