@@ -16,7 +16,6 @@ DiLoCo's parameter all-reduce runs once every H steps and is divided by H.
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import sys
 import time
@@ -94,10 +93,8 @@ def bytes_by_link(ops: list[Any], per_host: int, every: int = 1) -> dict[str, fl
     """Per-device bytes sent per step on the inner and outer links (see module doc)."""
     out = {"inner": 0.0, "outer": 0.0}
     for op in ops:
-        groups = re.findall(r"\[([\d,]+)\]", op.replica_groups.replace(" ", ""))
-        spans = any(
-            len(_hosts_of_group([int(i) for i in g.split(",")], per_host)) > 1 for g in groups
-        )
+        groups = op.groups
+        spans = any(len(_hosts_of_group(list(g), per_host)) > 1 for g in groups)
         per_step = op.sent_bytes / (every if op.shapes != ((),) else 1)
         out["outer" if spans or not groups else "inner"] += per_step
     return out

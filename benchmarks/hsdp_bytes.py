@@ -12,7 +12,6 @@ parameter gathers at stages 1-2) are inside a host when they hold 4 devices.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -55,11 +54,7 @@ def loss_fn(params: Any, batch: Any) -> Any:
 
 def crosses_hosts(op: Any, per_host: int) -> bool:
     """Whether a replica group of ``op`` holds devices of two hosts."""
-    if op.replica_groups.startswith("mesh"):
-        return op.group_size != per_host
-    groups = re.findall(r"[\[{]([\d,\s]+)[\]}]", op.replica_groups)
-    ids = [[int(i) for i in g.replace(" ", "").split(",")] for g in groups]
-    return any(len({d // per_host for d in g}) > 1 for g in ids)
+    return any(len({d // per_host for d in g}) > 1 for g in op.groups)
 
 
 def main() -> None:
