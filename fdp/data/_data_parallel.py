@@ -6,11 +6,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fdp.collectives._axis import AxisName
-from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
+from fdp.data._placement import (
+    DATA_AXIS,
+    axis_names_of,
+    check_axis,
+    constrain_to,
+    default_mesh,
+    unsplit,
+)
 from fdp.data._rows import leading_size, pad_rows
 
 
@@ -48,9 +55,9 @@ def data_parallel(
     # starts no backend, so jax.config.update('jax_num_cpu_devices', ...) still works.
     mapped: list[Any] = []
 
-    def build() -> tuple[Any, int]:
+    def build() -> tuple[Any, int, NamedSharding]:
         if not mapped:
-            m = data_mesh(axis_name=axis_name) if mesh is None else mesh
+            m = default_mesh(axis_name) if mesh is None else mesh
             fn_mapped = jax.shard_map(
                 fn,
                 mesh=m,
@@ -58,14 +65,20 @@ def data_parallel(
                 out_specs=P(axis_name),
                 axis_names=set(axis_names_of(axis_name)),
             )
-            mapped.append((fn_mapped, check_axis(m, axis_name)))
+            split = NamedSharding(m, P(axis_name))
+            mapped.append((fn_mapped, check_axis(m, axis_name), split))
         return mapped[0]
 
     @jax.jit
     def apply(params: Any, batch: Any) -> Any:
-        fn_mapped, n = build()
+        fn_mapped, n, split = build()
         size = leading_size(batch) or 0
-        padded = pad_rows(batch, size + (-size % n))
-        return jax.tree.map(lambda y: y[:size], fn_mapped(params, padded))
+        # Split over the data axis before shard_map, whose in_specs must match the
+        # type of an input on an Explicit axis (jax.make_mesh's default).
+        padded = constrain_to(pad_rows(batch, size + (-size % n)), split)
+        # Rows cut off an output split on an Explicit axis: gathered whole first.
+        return jax.tree.map(
+            lambda y: (y if y.shape[0] == size else unsplit(y))[:size], fn_mapped(params, padded)
+        )
 
     return apply

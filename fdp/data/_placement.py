@@ -91,6 +91,46 @@ def data_mesh(
     return Mesh(_host_grid(devices, hosts), names, axis_types=(axis_type,) * 2)
 
 
+def default_mesh(axis_name: AxisName = DATA_AXIS) -> Mesh:
+    """The mesh fdp uses where none is passed: ``jax.set_mesh``'s, else :func:`data_mesh`.
+
+    Current JAX sets a program's mesh with ``jax.set_mesh(mesh)``; code under it
+    places and reshards on that mesh, and a step on another mesh would clash with
+    it. So under ``jax.set_mesh`` fdp's steps, ``replicate`` and ``shard_batch``
+    default to that mesh, whose axes must then include the data axis.
+
+    Args:
+      axis_name: the data axis (or ``(outer, inner)`` axes) the caller reduces over.
+
+    Returns:
+      The context mesh where one is set, else ``data_mesh(axis_name=axis_name)``.
+
+    Raises:
+      ValueError: the context mesh has no axis named ``axis_name``.
+
+    Example:
+      >>> import jax
+      >>> mesh = jax.make_mesh((4, 2), ("data", "model"))
+      >>> with jax.set_mesh(mesh):
+      ...     default_mesh() is mesh
+      True
+      >>> dict(default_mesh().shape)
+      {'data': 8}
+    """
+    context = jax.sharding.get_mesh()
+    if context.empty:
+        return data_mesh(axis_name=axis_name)
+    names = axis_names_of(axis_name)
+    missing = [n for n in names if n not in context.axis_names]
+    if missing:
+        raise ValueError(
+            f"the mesh set with jax.set_mesh has axes {tuple(context.axis_names)}, none named "
+            f"{missing[0]!r} (the data axis, axis_name={axis_name!r}); pass axis_name= naming "
+            "its data axis, or mesh= explicitly."
+        )
+    return context
+
+
 def check_even_processes(devices: Any, what: str) -> None:
     """Raises unless every process holds the same number of ``devices``.
 
@@ -175,6 +215,64 @@ def check_axis(mesh: Mesh, axis_name: AxisName) -> int:
     return math.prod(int(mesh.shape[n]) for n in names)
 
 
+def _spec_axes(spec: P) -> set[str]:
+    """The mesh axes a ``PartitionSpec`` names."""
+    named: set[str] = set()
+    for part in spec:  # None, a name, a tuple of names, or P.UNCONSTRAINED
+        if isinstance(part, str):
+            named.add(part)
+        elif isinstance(part, tuple):
+            named.update(part)
+    return named
+
+
+def _needs_reshard(sharding: NamedSharding) -> bool:
+    """Whether ``sharding`` must be reached with ``jax.reshard`` inside ``jit``.
+
+    On ``Explicit`` axes (``jax.make_mesh``'s default) a value's sharding is part
+    of its type: ``with_sharding_constraint`` may name no such axis, and where
+    it names none it only asserts the value is already laid out so. There
+    ``jax.reshard`` changes the type (and moves the data). On ``Auto`` axes a
+    constraint is a hint to XLA's partitioner, and ``reshard`` may not name them.
+    """
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True))
+    named = _spec_axes(sharding.spec)
+    if named:
+        return any(types[a] == AxisType.Explicit for a in named)
+    return AxisType.Explicit in types.values()  # whole: undo a split on an Explicit axis
+
+
+def constrain_to(tree: Any, shardings: Any) -> Any:
+    """Inside ``jit``: ``tree`` laid out as ``shardings`` on Auto and Explicit axes alike.
+
+    ``shardings`` is one ``NamedSharding`` for the whole tree, or a tree of them
+    (a prefix of ``tree``). Each goes through ``jax.lax.with_sharding_constraint``
+    on ``Auto`` axes and through ``jax.reshard`` on ``Explicit`` ones
+    (:func:`_needs_reshard`).
+    """
+
+    def one(sharding: NamedSharding, sub: Any) -> Any:
+        if _needs_reshard(sharding):
+            return jax.reshard(sub, sharding)
+        return jax.lax.with_sharding_constraint(sub, sharding)
+
+    return jax.tree.map(one, shardings, tree)
+
+
+def unsplit(x: Any) -> Any:
+    """Inside ``jit``: ``x`` whole on every device where its type splits it, else as it is.
+
+    On ``Explicit`` axes a value's sharding is part of its type, and JAX refuses
+    to slice a split dimension to a size the axis does not divide
+    (``ShardingTypeError``): such a value is gathered whole first. On ``Auto``
+    axes the type splits nothing and ``x`` is returned as it is.
+    """
+    sharding = jax.typeof(x).sharding
+    if any(part is not None for part in sharding.spec):
+        return jax.reshard(x, NamedSharding(sharding.mesh, P()))
+    return x
+
+
 @functools.lru_cache(maxsize=32)
 def _copy_to(sharding: NamedSharding) -> Any:
     return jax.jit(lambda tree: tree, out_shardings=sharding)
@@ -234,7 +332,7 @@ def replicate(tree: Any, mesh: Mesh | None = None) -> Any:
       >>> params["w"].sharding.is_fully_replicated
       True
     """
-    mesh = data_mesh() if mesh is None else mesh
+    mesh = default_mesh() if mesh is None else mesh
     sharding = NamedSharding(mesh, P())
     if is_abstract(tree):  # shapes only (a step lowered for another mesh): nothing to copy
         return placed_like(tree, sharding)
@@ -318,7 +416,7 @@ def shard_batch(batch: Any, mesh: Mesh | None = None, *, axis_name: AxisName = D
       >>> x.shape, len(x.addressable_shards), x.addressable_shards[0].data.shape
       ((16, 3), 8, (2, 3))
     """
-    mesh = data_mesh() if mesh is None else mesh
+    mesh = default_mesh(axis_name) if mesh is None else mesh
     check_axis(mesh, axis_name)
     if jax.process_count() > 1:
         check_even_processes(mesh.devices.flat, "shard_batch")

@@ -6,9 +6,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fdp.data._placement import constrain_to
 from fdp.data._rows import leading_size, pad_rows
 from fdp.step._config import StepConfig
 
@@ -86,14 +87,7 @@ def local_batch_struct(batch: Any, rows: int, cfg: StepConfig) -> Any:
 
 
 def _place(tree: Any, cfg: StepConfig) -> Any:
-    mesh = cfg.bound_mesh
-    sharding = NamedSharding(mesh, P(cfg.axis_name))
-    explicit = [
-        mesh.axis_types[mesh.axis_names.index(n)] == AxisType.Explicit for n in cfg.axis_names
-    ]
-    if any(explicit):
-        return jax.reshard(tree, sharding)
-    return jax.lax.with_sharding_constraint(tree, sharding)
+    return constrain_to(tree, NamedSharding(cfg.bound_mesh, P(cfg.axis_name)))
 
 
 def place_batch(batch: Any, mask: Any, rows: int, cfg: StepConfig) -> tuple[Any, Any]:

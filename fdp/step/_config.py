@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from fdp import _compat, backends
 from fdp.collectives._axis import AxisName
-from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
+from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, default_mesh
 from fdp.hooks import CommHook, ModelAverager
 from fdp.hooks._basic import is_default, is_mean_all_reduce, is_mean_reduce_scatter
 from fdp.hooks._contract import Layout, reduce_scatter_of
@@ -334,7 +334,7 @@ class StepConfig:
         725-798 (25 MiB buckets) and 983-1006 (2.5 MiB). In one process the
         buckets gain nothing and their packing costs a copy.
         """
-        mesh = data_mesh(axis_name=self.axis_name) if self.mesh is None else self.mesh
+        mesh = default_mesh(self.axis_name) if self.mesh is None else self.mesh
         layout = self.layout
         platform = mesh.devices.flat[0].platform
         if layout == "auto":

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from fdp import _compat
 from fdp.collectives import is_varying
 from fdp.collectives._axis import AxisName
-from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, data_mesh
+from fdp.data._placement import DATA_AXIS, axis_names_of, check_axis, default_mesh
 from fdp.hooks._bucketed import REDUCTION_TRACE, ReductionTrace
 from fdp.step._core import reduce_leaf, sync_buffers
 from fdp.step._in_flight import InFlight
@@ -144,7 +144,7 @@ class DDPFunction:
     def mesh(self) -> Mesh:
         """The mesh (made at the first use: building the step starts no backend)."""
         if self._mesh is None:
-            self._mesh = data_mesh(axis_name=self._axis_name)
+            self._mesh = default_mesh(self._axis_name)
         return self._mesh
 
     def _name(self, i: int) -> str:

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fdp.data._placement import unsplit
+
 
 def _divisible(shape: Sequence[int], n: int) -> bool:
     return any(size % n == 0 and size >= n for size in shape)
@@ -95,7 +97,9 @@ def unpad_like(tree: Any, like: Any) -> Any:
         shape = tuple(np.shape(ref))
         if tuple(np.shape(x)) == shape:
             return x
-        return x[tuple(slice(0, s) for s in shape)]
+        # A padded leaf is split on an Explicit axis (jax.make_mesh's default) where
+        # no dimension of its own shape is: made whole, as the update lays it out next.
+        return unsplit(x)[tuple(slice(0, s) for s in shape)]
 
     return jax.tree.map(cut, tree, like)
 

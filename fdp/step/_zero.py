@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from fdp.bucketing import BucketPlan
 from fdp.collectives._axis import AxisName
 from fdp.data._abstract import is_abstract, placed_like
-from fdp.data._placement import check_axis
+from fdp.data._placement import check_axis, constrain_to
 from fdp.step._padding import needs_padding, pad_dim, pad_struct, pad_tree, padding_bytes
 
 STAGES = (0, 1, 2, 3)
@@ -113,13 +113,13 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
 
 
 def constrain(tree: Any, mesh: Mesh, axis_name: AxisName) -> Any:
-    """Inside ``jit``: ``tree`` constrained to its ZeRO shardings."""
-    return jax.lax.with_sharding_constraint(tree, shardings(tree, mesh, axis_name))
+    """Inside ``jit``: ``tree`` constrained to its ZeRO shardings (resharded on Explicit axes)."""
+    return constrain_to(tree, shardings(tree, mesh, axis_name))
 
 
 def constrain_replicated(tree: Any, mesh: Mesh) -> Any:
     """Inside ``jit``: ``tree`` constrained to be whole on every device."""
-    return jax.lax.with_sharding_constraint(tree, replicated(tree, mesh))
+    return constrain_to(tree, replicated(tree, mesh))
 
 
 @functools.lru_cache(maxsize=64)
