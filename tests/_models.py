@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from flax.training.train_state import TrainState
 
 import fdp
@@ -108,3 +109,18 @@ def device0_bytes(tree):
         for s in x.addressable_shards
         if s.device == jax.devices()[0]
     )
+
+
+class NNXMLP(nnx.Module):
+    """A 64 -> 32 -> 10 NNX MLP on the 8x8x1 images of ``make_data``."""
+
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(64, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x.reshape(x.shape[0], -1))))
+
+
+def nnx_cross_entropy(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()

@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import cross_entropy, make_data, make_state, reference_steps, train_on
+from _models import (
+    NNXMLP,
+    cross_entropy,
+    make_data,
+    make_state,
+    nnx_cross_entropy,
+    reference_steps,
+    train_on,
+)
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -132,18 +140,7 @@ def test_train_step_init_sharded(stage):
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(want.params), **TOL)
 
 
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = nnx.Linear(64, 32, rngs=rngs)
-        self.l2 = nnx.Linear(32, 10, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(nnx.relu(self.l1(x.reshape(x.shape[0], -1))))
-
-
-def nnx_loss(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+Net, nnx_loss = NNXMLP, nnx_cross_entropy
 
 
 def nnx_pair():

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from _models import MLP, cross_entropy, make_data, make_state
+from _models import MLP, NNXMLP, cross_entropy, make_data, make_state, nnx_cross_entropy
 from flax import nnx
 
 import fdp
@@ -53,17 +53,7 @@ def test_hook_state_round_trips_through_an_orbax_checkpoint(tmp_path):
     chex.assert_trees_all_equal(restored.comm_state, state.comm_state)
 
 
-class Net(nnx.Module):
-    def __init__(self, rngs):
-        self.l1 = nnx.Linear(64, 32, rngs=rngs)
-        self.l2 = nnx.Linear(32, 10, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(nnx.relu(self.l1(x.reshape(x.shape[0], -1))))
-
-
-def nnx_loss(model, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+Net, nnx_loss = NNXMLP, nnx_cross_entropy
 
 
 def test_nnx_keeps_hook_state_in_its_comm_state():
