@@ -13,7 +13,11 @@ from shapes alone, and read from the compiled, scheduled module:
 Nothing here is a timing: it is the structure and memory of the program XLA:GPU
 would run. Ratios are fdp over plain jit in the same run. With accumulation, plain
 jit accumulates too (a ``lax.scan`` over micro-batches; XLA reduces in every
-iteration), so both hold a gradient accumulator.
+iteration), so both hold a gradient accumulator; and a third program, ``"reduced"``,
+is plain JAX's own way to reduce once per step: the replicated parameters cast to the
+``reduced`` sharding type, so that their gradients come out ``unreduced``, summed
+unreduced in the ``lax.scan`` and all-reduced once after it (:func:`reduced_grads`).
+On a JAX without those types its row is ``None``.
 
     python benchmarks/gpu_programs.py --json benchmarks/results/gpu_programs.json
 """
@@ -26,7 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fdp
@@ -161,6 +165,82 @@ def plain_jit(loss_fn, state, batch, mesh, accumulate=1):
     return jax.jit(step, out_shardings=out, donate_argnums=0).lower(state, batch).compile()
 
 
+def reduced_available():
+    """Whether this JAX has the ``reduced``/``unreduced`` sharding types and their API."""
+    try:
+        P(reduced={"data"}), P(unreduced={"data"})
+    except TypeError:
+        return False
+    return all(hasattr(jax, name) for name in ("reshard", "shard_map", "set_mesh"))
+
+
+def reduced_grads(loss_fn, mesh, accumulate):
+    """Plain JAX's one all-reduce per step: (params, batch) -> (mean loss, mean grads).
+
+    ``mesh`` has an Explicit ``'data'`` axis and is the current mesh (``jax.set_mesh``)
+    when the function is traced. The replicated parameters are cast to ``reduced``
+    over ``'data'``, so the gradient of each micro-batch comes out ``unreduced`` (each
+    device's partial sum, no collective); the ``lax.scan`` adds those, and the one
+    reduction is the cast back to replicated after the loop. The loss of a micro-batch
+    runs per device in ``shard_map`` (reduced parameters in, unreduced gradients out):
+    there JAX casts a reduced parameter to varying where it meets the device's rows
+    (a Flax bias or scale added to the activations), which in the global view it
+    refuses without a reshard written into the model.
+    """
+    n = mesh.shape["data"]
+    reduced, unreduced = P(reduced={"data"}), P(unreduced={"data"})
+
+    def local(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return loss[None], grads
+
+    per_device = jax.shard_map(
+        local, in_specs=(reduced, P("data")), out_specs=(P("data"), unreduced)
+    )
+
+    def micro(x):  # [n*b, ...] -> [K, n*b/K, ...], device d's rows stay on d
+        x = x.reshape(
+            n, accumulate, x.shape[0] // (n * accumulate), *x.shape[1:], out_sharding=P("data")
+        )
+        x = jnp.swapaxes(x, 0, 1)
+        return x.reshape(accumulate, -1, *x.shape[3:], out_sharding=P(None, "data"))
+
+    def grads_of(params, batch):
+        params = jax.reshard(params, reduced)
+
+        def body(carry, mb):
+            return jax.tree.map(jnp.add, carry, per_device(params, mb)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype, out_sharding=unreduced), params)
+        zero = (jnp.zeros((n,), out_sharding=P("data")), zeros)
+        (loss, grads), _ = jax.lax.scan(body, zero, jax.tree.map(micro, batch))
+        grads = jax.reshard(grads, P())  # unreduced -> replicated: the all-reduce
+        return loss.mean() / accumulate, jax.tree.map(lambda g: g / (n * accumulate), grads)
+
+    return grads_of
+
+
+def reduced_pattern(loss_fn, state, batch, mesh, accumulate):
+    """The step of :func:`reduced_grads` compiled for ``mesh``'s devices (None without it)."""
+    if not reduced_available():
+        return None
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * mesh.devices.ndim)
+    state, batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)
+        ),
+        (state, batch),
+    )
+    grads_of = reduced_grads(loss_fn, mesh, accumulate)
+
+    def step(state, batch):
+        loss, grads = grads_of(state.params, batch)
+        return state.apply_gradients(grads=grads), loss
+
+    with jax.set_mesh(mesh):
+        return jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+
+
 def describe(compiled, target, plan=None):
     stats = collective_stats(compiled)
     schedule = read_schedule(compiled, target)
@@ -207,18 +287,23 @@ def run(args):
                 )
                 compiled = step.lower(state, batch).compile()
                 ours = describe(compiled, target, step.plan)
-                rows.append(
-                    {
-                        "target": target,
-                        "model": name,
-                        "parameters": params,
-                        "accumulate_steps": accumulate,
-                        "fdp": ours,
-                        "jit": base,
-                        "compile_s": {"jit": t1 - t0, "fdp": time.perf_counter() - t1},
-                    }
-                )
-                print_row(rows[-1])
+                t2 = time.perf_counter()
+                row = {
+                    "target": target,
+                    "model": name,
+                    "parameters": params,
+                    "accumulate_steps": accumulate,
+                    "fdp": ours,
+                    "jit": base,
+                    "compile_s": {"jit": t1 - t0, "fdp": t2 - t1},
+                }
+                if accumulate > 1:
+                    reduced = reduced_pattern(loss_fn, state, batch, mesh, accumulate)
+                    row["reduced"] = None if reduced is None else describe(reduced, target)
+                    if reduced is not None:
+                        row["compile_s"]["reduced"] = time.perf_counter() - t2
+                rows.append(row)
+                print_row(row)
     return rows
 
 
@@ -236,6 +321,22 @@ def print_row(r):
         f"| temp MiB fdp {f['temp_mib']:8.1f} jit {j['temp_mib']:8.1f} "
         f"({f['temp_mib'] / max(j['temp_mib'], 1e-9):.3f}x) "
         f"| peak MiB {f['peak_mib']:8.1f} / {j['peak_mib']:8.1f}",
+        flush=True,
+    )
+    if "reduced" not in r:
+        return
+    u = r["reduced"]
+    if u is None:
+        print(f"{'':31} reduced/unreduced: n/a (jax {jax.__version__})", flush=True)
+        return
+    ucount = sum(v["count"] for v in u["collectives"].values())
+    print(
+        f"{'':31} reduced/unreduced: collectives {ucount:3} "
+        f"| exposed ms {u['exposed_ms']:7.3f} "
+        f"(comm {u['comm_ms']:.3f}, compute {u['compute_ms']:.3f}) "
+        f"| loops with collectives {u['collectives_in_loops']} "
+        f"| temp MiB {u['temp_mib']:8.1f} (fdp {f['temp_mib'] / max(u['temp_mib'], 1e-9):.3f}x) "
+        f"| peak MiB {u['peak_mib']:8.1f}",
         flush=True,
     )
 
