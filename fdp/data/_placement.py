@@ -97,9 +97,9 @@ def default_mesh(axis_name: AxisName = DATA_AXIS) -> Mesh:
     Current JAX sets a program's mesh with ``jax.set_mesh(mesh)``; code under it
     places and reshards on that mesh, and a step on another mesh would clash with
     it. So under ``jax.set_mesh`` fdp's steps, ``replicate`` and ``shard_batch``
-    default to that mesh, whose axes must then include the data axis. (jax 0.11
-    reads the context mesh only outside a trace: a step first used inside the
-    user's own ``jax.jit`` there takes :func:`data_mesh`; pass ``mesh=``.)
+    default to that mesh, whose axes must then include the data axis. (jax 0.10
+    and 0.11 read the context mesh only outside a trace: a step first used inside
+    the user's own ``jax.jit`` there takes :func:`data_mesh`; pass ``mesh=``.)
 
     Args:
       axis_name: the data axis (or ``(outer, inner)`` axes) the caller reduces over.
@@ -121,7 +121,7 @@ def default_mesh(axis_name: AxisName = DATA_AXIS) -> Mesh:
     """
     try:
         context = jax.sharding.get_mesh()
-    except ValueError:  # jax 0.11 answers only outside a trace (0.10 and 0.12 inside too)
+    except ValueError:  # jax 0.10 and 0.11 answer only outside a trace (0.12 inside too)
         return data_mesh(axis_name=axis_name)
     if context.empty:
         return data_mesh(axis_name=axis_name)
