@@ -125,14 +125,10 @@ def default_mesh(axis_name: AxisName = DATA_AXIS) -> Mesh:
         return data_mesh(axis_name=axis_name)
     if context.empty:
         return data_mesh(axis_name=axis_name)
-    names = axis_names_of(axis_name)
-    missing = [n for n in names if n not in context.axis_names]
-    if missing:
-        raise ValueError(
-            f"the mesh set with jax.set_mesh has axes {tuple(context.axis_names)}, none named "
-            f"{missing[0]!r} (the data axis, axis_name={axis_name!r}); pass axis_name= naming "
-            "its data axis, or mesh= explicitly."
-        )
+    try:
+        check_axis(context, axis_name)
+    except ValueError as e:
+        raise ValueError(f"the mesh set with jax.set_mesh: {e} Or pass mesh=.") from None
     return context
 
 
