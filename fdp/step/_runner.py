@@ -70,8 +70,7 @@ class StepRunner:
         self._observer = Observer(kind, arg_names, batch_arg, stats)
         self._agreed: set[str] = set()  # where the processes compared their settings
         self._calls = 0  # for the numerics guard's message
-        self._queue: InFlight | None = None  # the platform's bound on queued calls, if any
-        self._queue_decided = False
+        self._queue: InFlight | bool | None = False  # the platform's bound; False: undecided
 
     @property
     def config(self) -> StepConfig:
@@ -209,9 +208,9 @@ class StepRunner:
             if len(self._ran) >= 64:  # as _plans: new shapes every call keep memory bounded
                 self._ran.clear()
             self._ran.add(plan)
-            self._queue = self._queue if self._queue_decided else in_flight(self.config.mesh)
-            self._queue_decided = True
-        if self._queue is not None:  # the metrics (last): the state may be donated next call
+            if self._queue is False:
+                self._queue = in_flight(self.config.mesh)
+        if isinstance(self._queue, InFlight):  # the metrics (last): the state may be donated
             self._queue.add(out[-1] if isinstance(out, tuple) else out)
         self._calls += 1
         # The metrics come last; a program traced with FDP_CHECK_FINITE=1 holds the codes.
