@@ -745,8 +745,12 @@ def scan_parts(eqn: Any) -> ScanParts:
     return ScanParts(body, num_consts, num_carry, length, params["reverse"], params["unroll"])
 
 
-def constraint_sharding(eqn: Any) -> tuple[tuple[str, ...], str]:
-    """The mesh axis names and the spec of a ``sharding_constraint`` equation's sharding.
+def constraint_sharding(eqn: Any) -> tuple[tuple[str, ...], Any, bool]:
+    """The mesh axis names, the spec and the mesh's kind of a ``sharding_constraint``.
+
+    The spec is the sharding's ``PartitionSpec``; the bool says whether its mesh
+    is a concrete ``jax.sharding.Mesh`` (a ``NamedSharding`` the user built),
+    not the abstract mesh a bare ``PartitionSpec`` resolves against.
 
     Raises:
       JaxCompatibilityError: the equation carries no sharding with a mesh.
@@ -759,7 +763,14 @@ def constraint_sharding(eqn: Any) -> tuple[tuple[str, ...], str]:
             f"its 'sharding_constraint' equation has params {sorted(eqn.params)} (expected "
             "'sharding', a NamedSharding with a mesh); fdp checks the loss's constraints",
         )
-    return names, str(getattr(sharding, "spec", sharding))
+    spec = getattr(sharding, "spec", None)
+    if not isinstance(spec, jax.sharding.PartitionSpec):
+        raise _broken(
+            "the spec of a with_sharding_constraint in a jaxpr",
+            f"its sharding is a {type(sharding).__name__} with spec {spec!r} (expected a "
+            "PartitionSpec); fdp checks the loss's constraints",
+        )
+    return names, spec, isinstance(sharding.mesh, jax.sharding.Mesh)
 
 
 def inlinable_call(eqn: Any) -> Any | None:

@@ -20,9 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 MiB = 1024 * 1024
 _LARGEST_CAP_MB = 2.0**40  # 1 EiB: larger caps all mean "no limit"
+WHOLE = P()  # the layout of a leaf whole on every non-data axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,11 @@ class Bucket:
       offsets: element offset of each gradient in the flat buffer.
       sizes: element count of each gradient.
       key_paths: ``jax.tree_util.keystr`` of each gradient's key path.
+      layout: how every gradient in the bucket is split over the mesh's
+        non-data axes (a ``PartitionSpec``; ``P()``: whole there). A bucket
+        never mixes layouts, as DDP's never mixes devices; one split over a
+        model axis is reduced leaf by leaf where it lies, never packed (packing
+        would gather it over that axis).
     """
 
     index: int
@@ -47,6 +54,7 @@ class Bucket:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     key_paths: tuple[str, ...]
+    layout: P = dataclasses.field(default=WHOLE, kw_only=True)
 
     @property
     def size(self) -> int:
@@ -76,6 +84,8 @@ class BucketPlan:
         float0 leaves, or leaves named in ``exclude``) and are in no bucket.
       bucket_cap_bytes: the cap of every bucket after a dtype's first.
       first_bucket_cap_bytes: the cap of each dtype's first bucket.
+      leaf_layouts: every leaf's split over the mesh's non-data axes (empty:
+        whole there, every leaf).
     """
 
     buckets: tuple[Bucket, ...]
@@ -86,6 +96,7 @@ class BucketPlan:
     excluded: tuple[int, ...]
     bucket_cap_bytes: int
     first_bucket_cap_bytes: int
+    leaf_layouts: tuple[P, ...] = dataclasses.field(default=(), kw_only=True)
 
     @property
     def excluded_key_paths(self) -> tuple[str, ...]:
@@ -203,6 +214,7 @@ def plan_buckets(
     first_bucket_cap_mb: float = 1.0,
     order: Sequence[int] | None = None,
     exclude: Sequence[int] = (),
+    layouts: Sequence[P] = (),
 ) -> BucketPlan:
     """Plans DDP's gradient buckets for a pytree of arrays.
 
@@ -217,6 +229,9 @@ def plan_buckets(
         a model whose parameters are listed input-to-output.
       exclude: leaf indices to leave out of every bucket (for example
         parameters known to be unused).
+      layouts: per leaf, its split over the mesh's non-data axes
+        (:mod:`fdp.data._model_axes`); empty: every leaf whole there. Buckets
+        are keyed by dtype and layout, as DDP keys them by dtype and device.
 
     Returns:
       A hashable :class:`BucketPlan` whose ``buckets`` are in reduce order.
@@ -260,9 +275,15 @@ def plan_buckets(
     in_buckets = set(grad_order)
     excluded = tuple(i for i in range(n) if i not in in_buckets)
     sizes_bytes = [math.prod(s) * d.itemsize for s, d in metas]
+    layouts = tuple(layouts)
+    if layouts and len(layouts) != n:
+        raise ValueError(f"layouts must name every leaf's layout: {len(layouts)} for {n} leaves.")
+    if not any(len(spec) for spec in layouts):
+        layouts = ()  # whole on every other axis: the plan of a 1-D mesh
+    keys = [(d, layouts[i] if layouts else WHOLE) for i, d in enumerate(dtypes)]
 
     buckets = []
-    for index, leaf_ids in enumerate(assign_buckets(sizes_bytes, dtypes, limits, grad_order)):
+    for index, leaf_ids in enumerate(assign_buckets(sizes_bytes, keys, limits, grad_order)):
         sizes = tuple(math.prod(shapes[i]) for i in leaf_ids)
         offsets = tuple(int(o) for o in np.cumsum((0, *sizes[:-1])))
         buckets.append(
@@ -274,6 +295,7 @@ def plan_buckets(
                 offsets=offsets,
                 sizes=sizes,
                 key_paths=tuple(key_paths[i] for i in leaf_ids),
+                layout=keys[leaf_ids[0]][1],
             )
         )
     return BucketPlan(
@@ -285,6 +307,7 @@ def plan_buckets(
         excluded=excluded,
         bucket_cap_bytes=limits[-1],
         first_bucket_cap_bytes=limits[0],
+        leaf_layouts=layouts,
     )
 
 
@@ -297,6 +320,7 @@ def _cached_plan(
     first_bucket_cap_mb: float,
     exclude: tuple[int, ...],
     order: tuple[int, ...] | None,
+    layouts: tuple[P, ...],
 ) -> BucketPlan:
     structs = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
     return plan_buckets(
@@ -305,6 +329,7 @@ def _cached_plan(
         first_bucket_cap_mb=first_bucket_cap_mb,
         exclude=exclude,
         order=order,
+        layouts=layouts,
     )
 
 
@@ -315,8 +340,9 @@ def plan_for(
     exclude: Sequence[int] = (),
     *,
     order: Sequence[int] | None = None,
+    layouts: Sequence[P] = (),
 ) -> BucketPlan:
-    """:func:`plan_buckets` memoised on the tree's structure, shapes, dtypes and order.
+    """:func:`plan_buckets` memoised on the tree's structure, shapes, dtypes, order and layouts.
 
     Steps call it at trace time; equal trees share one plan object.
     """
@@ -331,6 +357,7 @@ def plan_for(
         first_bucket_cap_mb,
         tuple(exclude),
         None if order is None else tuple(int(i) for i in order),
+        tuple(layouts),
     )
 
 

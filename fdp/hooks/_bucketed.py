@@ -147,17 +147,20 @@ def reduce_with_hook(
     largest = max((b.nbytes for b in plan.buckets), default=0)
     after = None  # the previous bucket's reduced gradients: each bucket comes after it
     for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
+        # A bucket split over a model axis is reduced where it lies: packing it into one
+        # flat buffer would gather it whole over that axis first.
+        split = len(bucket.layout) > 0
         grad_bucket = GradBucket(
             bucket,
             [leaves[i] for i in bucket.leaf_indices],
             is_last=bucket.index == last,
             axis_name=axis_name,
-            layout=layout,
+            layout="leaves" if split else layout,
             parameters=None
             if param_leaves is None
             else [param_leaves[i] for i in bucket.leaf_indices],
             shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
-            grouped=grouped,
+            grouped=grouped and not split,
             after=after,
             largest_nbytes=largest,
         )

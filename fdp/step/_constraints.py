@@ -4,6 +4,8 @@ Collectives: a loss that communicates over the data axis keeps JAX's replication
 typing on (:func:`communicates_over`, read by :mod:`fdp.step._plan`).
 
 Sharding constraints on the data axis inside the loss: refused with the fix, before tracing.
+Constraints on the mesh's other axes (a tensor-parallel model pinning its
+activations to ``P(None, 'model')``) are the compiler's, and pass unchanged.
 
 fdp's step runs the loss on each device's share of the batch inside
 ``jax.shard_map`` over the data axes, where those axes are manual. A model that
@@ -24,6 +26,7 @@ from typing import Any
 import jax.extend.core as jex
 
 from fdp import _compat as compat
+from fdp.data._model_axes import spec_axes
 
 
 def _equations(jaxpr: Any) -> Iterator[Any]:
@@ -35,10 +38,10 @@ def _equations(jaxpr: Any) -> Iterator[Any]:
 
 
 def check_no_data_constraints(jaxpr: Any, axis_names: Sequence[str]) -> None:
-    """Raises if the loss's ``jaxpr`` constrains a sharding on a mesh with a data axis.
+    """Raises if the loss's ``jaxpr`` constrains a value's sharding over a data axis.
 
     Raises:
-      ValueError: a ``with_sharding_constraint`` whose mesh has one of ``axis_names``.
+      ValueError: a ``with_sharding_constraint`` whose spec names one of ``axis_names``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -52,23 +55,35 @@ def check_no_data_constraints(jaxpr: Any, axis_names: Sequence[str]) -> None:
       ...     check_no_data_constraints(closed.jaxpr, ("data",))
       ... except ValueError as err:
       ...     print(str(err)[:72])
-      the loss calls jax.lax.with_sharding_constraint on a mesh with the data
+      the loss calls jax.lax.with_sharding_constraint with a spec that names t
     """
     for eqn in _equations(jaxpr):
         if not compat.is_sharding_constraint(eqn):
             continue
-        names, spec = compat.constraint_sharding(eqn)
-        data = [n for n in names if n in axis_names]
+        names, spec, concrete = compat.constraint_sharding(eqn)
+        data = [n for n in spec_axes(spec) if n in axis_names]
         if data:
             raise ValueError(
-                f"the loss calls jax.lax.with_sharding_constraint on a mesh with the data "
-                f"axis {data[0]!r} (spec {spec}); fdp's step runs the loss on each device's "
+                f"the loss calls jax.lax.with_sharding_constraint with a spec that names the "
+                f"data axis {data[0]!r} ({spec}); fdp's step runs the loss on each device's "
                 f"share of the batch inside jax.shard_map over {tuple(axis_names)}, where "
                 "JAX refuses such a constraint ('Axes mentioned in manual_axis_type ... "
                 f"should be of type Manual'). The batch is already split over {data[0]!r} "
                 "there, as the constraint asks: leave the constraint out when the model "
                 "runs under fdp (for example behind a flag of the model), or train it "
                 "with plain jax.jit and these constraints instead of fdp's step."
+            )
+        on_data_mesh = [n for n in names if n in axis_names]
+        if concrete and on_data_mesh:
+            raise ValueError(
+                f"the loss calls jax.lax.with_sharding_constraint with a NamedSharding on a "
+                f"mesh with the data axis {on_data_mesh[0]!r} (spec {spec}); inside fdp's "
+                f"step that axis is manual (jax.shard_map over {tuple(axis_names)}), and "
+                "JAX refuses a sharding built on the mesh as it is outside "
+                "('Axes mentioned in manual_axis_type ... should be of type Manual'). Pass "
+                f"the bare PartitionSpec instead, with_sharding_constraint(x, {spec}) (or "
+                "Flax's nn.with_logical_constraint): JAX resolves it against the step's "
+                "mesh, and it works under plain jax.jit with jax.set_mesh(mesh) too."
             )
 
 

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import plan_for
 from fdp.collectives._axis import AxisName
+from fdp.data._model_axes import model_specs
 from fdp.data._placement import DATA_AXIS
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
@@ -175,7 +176,8 @@ class DataParallelStep(Step):
             self._remember_shapes(params, state.opt_state)
         extra = ([] if stats is None else [stats]) + ([] if rng is None else [rng])
         micro_batch = local_batch_struct(batch, rows, cfg)
-        return prepare(cfg, self.loss_fn, rows, params, micro_batch, *extra)
+        layouts = model_specs(params, cfg.bound_mesh, cfg.axis_name)
+        return prepare(cfg, self.loss_fn, rows, params, micro_batch, *extra, layouts=layouts)
 
     def init(self, state: Any) -> Any:
         """Prepares ``state`` for this step, as ``tx.init`` prepares an optimizer's.

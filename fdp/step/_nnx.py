@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.collectives._axis import AxisName
-from fdp.data._placement import DATA_AXIS, replicate
+from fdp.data._model_axes import model_specs
+from fdp.data._placement import DATA_AXIS
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
 from fdp.step._batch import batch_rows, local_batch_struct
@@ -29,6 +30,7 @@ from fdp.step._state import (
     add_device_axis,
     hook_is_stateful,
     init_hook_state,
+    replicate_over_data,
     strip_device_axis,
 )
 from fdp.step._step import Step
@@ -192,7 +194,8 @@ class NNXDataParallelStep(Step):
         micro_batch = local_batch_struct(batch, rows, cfg)
         loss = _ModelLoss(self.loss_fn, graphdef)
         try:
-            return prepare(cfg, loss, rows, params, micro_batch, keys, rest)
+            layouts = model_specs(params, cfg.bound_mesh, cfg.axis_name)
+            return prepare(cfg, loss, rows, params, micro_batch, keys, rest, layouts=layouts)
         except flax.errors.TraceContextError as e:
             raise _captured_object_error(e) from e
 
@@ -262,7 +265,7 @@ class NNXDataParallelStep(Step):
         # otherwise would compile the step a second time on the next call. With
         # several processes this also hands everyone process 0's values.
         cfg = self.config
-        nnx.update((model, optimizer), replicate(nnx.state((model, optimizer)), cfg.bound_mesh))
+        nnx.update((model, optimizer), replicate_over_data(cfg, nnx.state((model, optimizer))))
         if cfg.zero_stage:
             self._place_zero(model, optimizer)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from fdp.backends import FoldCount, count_in_jaxpr
 from fdp.bucketing import BucketPlan, plan_for
+from fdp.data._model_axes import Specs
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._constraints import check_no_data_constraints, communicates_over
@@ -83,7 +84,12 @@ def _structs(key: tuple[Any, tuple]) -> Any:
 
 
 def prepare(
-    config: StepConfig, loss: Callable[..., Any], rows: int, params: Any, *args: Any
+    config: StepConfig,
+    loss: Callable[..., Any],
+    rows: int,
+    params: Any,
+    *args: Any,
+    layouts: Specs = (),
 ) -> StepPlan:
     """Plans a step: the loss's parameter usage and the buckets, for these input shapes.
 
@@ -98,16 +104,23 @@ def prepare(
       rows: the global batch size the step runs on.
       params: one device's parameters (arrays or ``jax.ShapeDtypeStruct``).
       *args: the loss's other inputs on one device (a micro-batch, buffers, a key).
+      layouts: per parameter leaf, its split over the mesh's non-data axes
+        (:func:`fdp.data._model_axes.model_specs`); the buckets never mix two.
 
     Returns:
       The :class:`StepPlan`. Unused parameters are warned about the first time.
     """
-    return _prepare(config, loss, rows, _abstract(params), _abstract(args))
+    return _prepare(config, loss, rows, _abstract(params), _abstract(args), tuple(layouts))
 
 
 @functools.lru_cache(maxsize=128)
 def _prepare(
-    config: StepConfig, loss: Callable[..., Any], rows: int, params: tuple, args: tuple
+    config: StepConfig,
+    loss: Callable[..., Any],
+    rows: int,
+    params: tuple,
+    args: tuple,
+    layouts: Specs,
 ) -> StepPlan:
     param_structs = _structs(params)
     # One trace of the loss per input shape: the parameters' usage and their ready order.
@@ -116,6 +129,7 @@ def _prepare(
         param_structs,
         *_structs(args),
         axis_env=[(n, int(config.bound_mesh.shape[n])) for n in config.axis_names],
+        mesh=config.bound_mesh,
     )
     check_no_data_constraints(closed.jaxpr, config.axis_names)
     paths = key_paths_of(param_structs)
@@ -124,14 +138,14 @@ def _prepare(
     warn_if_unused(usage, config.find_unused_parameters, stacklevel=4)
     exclude = usage.unused if config.find_unused_parameters else ()
     caps = (config.bucket_cap_mb, config.first_bucket_cap_mb)
-    buckets = plan_for(param_structs, *caps, exclude)
+    buckets = plan_for(param_structs, *caps, exclude, layouts=layouts)
     # DDP rebuilds its buckets in the order gradients became ready; fdp reads that order
     # from the loss's program. A hook with state between steps (PowerSGD, DiLoCo) keeps
     # the first plan: its state may be made before any batch is seen (init, a checkpoint
     # template), from the parameters alone.
     if not hook_is_stateful(config, buckets):
         order = ready_order_of(closed.jaxpr, len(paths))
-        buckets = plan_for(param_structs, *caps, exclude, order=order)
+        buckets = plan_for(param_structs, *caps, exclude, order=order, layouts=layouts)
     folds = count_in_jaxpr(closed.jaxpr) if config.fold_dots else None
     # FDP_CHECK_FINITE names the device whose own gradients are not finite: a gradient
     # reduced in the loop is every device's by then.

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan
 from fdp.data._abstract import run_or_describe
+from fdp.data._model_axes import has_model_axes, model_specs, place_kept
 from fdp.data._placement import replicate
 from fdp.step._config import StepConfig
 from fdp.step._zero import is_placed, place
@@ -179,6 +180,31 @@ def on_mesh(tree: Any, mesh: Any) -> bool:
     )
 
 
+def replicate_over_data(config: StepConfig, tree: Any) -> Any:
+    """``tree`` replicated over the data axis, split over the mesh's other axes as it was.
+
+    Each leaf keeps its split over the non-data axes (tensor parallelism),
+    whether it was placed so or declares it through Flax's partitioning
+    metadata (:mod:`fdp.data._model_axes`); a tree with none is
+    :func:`fdp.replicate`'d.
+    """
+    mesh = config.bound_mesh
+    specs = model_specs(tree, mesh, config.axis_name)
+    if not has_model_axes(specs):
+        return replicate(tree, mesh)
+    return place_kept(tree, mesh, specs, replicate)
+
+
+def replicated_over_data(config: StepConfig, tree: Any) -> bool:
+    """Whether every leaf of ``tree`` lies as :func:`replicate_over_data` would place it."""
+    mesh = config.bound_mesh
+    specs = model_specs(tree, mesh, config.axis_name)
+    return all(
+        isinstance(x, jax.Array) and x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+        for x, spec in zip(jax.tree.leaves(tree), specs, strict=True)
+    )
+
+
 def zero_placed(config: StepConfig, params: Any, opt_state: Any) -> bool:
     """Whether parameters and optimizer state already have their ZeRO shardings (cheap)."""
     mesh, axis = config.bound_mesh, config.shard_axis
@@ -210,7 +236,7 @@ def linen_layout(config: StepConfig, state: Any) -> Any:
     the step's outputs are.
     """
     core, side = split_side(state)
-    core = replicate(core, config.bound_mesh)
+    core = replicate_over_data(config, core)
     if config.zero_stage:
         core = place_zero_core(config, core)
     return join_side(core, replicate(side, config.bound_mesh) if side else side)
@@ -248,9 +274,8 @@ def prepare_linen_state(config: StepConfig, state: Any, buckets: BucketPlan) -> 
             state = join_side(place_zero_core(config, core), side)
     elif not _stacked(config, state):
         core, side = split_side(state)
-        home = NamedSharding(config.bound_mesh, P())
-        if not all(getattr(x, "sharding", None) == home for x in jax.tree.leaves(core)):
-            core = replicate(core, config.bound_mesh)
+        if not replicated_over_data(config, core):
+            core = replicate_over_data(config, core)
         if config.per_device_state:
             core = stack_per_device(config, core)
         state = join_side(core, side)

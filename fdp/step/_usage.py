@@ -109,19 +109,26 @@ def trace_loss(
     params: Any,
     *args: Any,
     axis_env: Sequence[tuple[str, int]] = (),
+    mesh: Any = None,
 ) -> Any:
     """The closed jaxpr of ``loss_fn(params, *args)``'s loss (the first output of a tuple).
 
     Its first inputs are the leaves of ``params``, in ``jax.tree.leaves`` order. The
     step reads it once per input shape, for the usage (:func:`usage_of`) and the
-    gradient-ready order (:func:`fdp.step._ready.ready_order_of`).
+    gradient-ready order (:func:`fdp.step._ready.ready_order_of`). With ``mesh``,
+    traced under its abstract mesh, as the step's ``shard_map`` traces the loss:
+    a bare ``PartitionSpec`` in a sharding constraint resolves against it.
     """
 
     def loss_only(p: Any, *rest: Any) -> jax.Array:
         out = loss_fn(p, *rest)
         return out[0] if isinstance(out, tuple) else out
 
-    return jax.make_jaxpr(loss_only, axis_env=list(axis_env))(params, *args)
+    trace = jax.make_jaxpr(loss_only, axis_env=list(axis_env))
+    if mesh is None:
+        return trace(params, *args)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return trace(params, *args)
 
 
 def usage_of(closed: Any, key_paths: tuple[str, ...]) -> ParamUsage:

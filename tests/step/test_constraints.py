@@ -37,8 +37,11 @@ class Constrained(nn.Module):
         return nn.Dense(2)(jnp.tanh(x))
 
 
-@pytest.mark.parametrize("spec", [P("data"), P()])
-def test_a_linen_loss_constraining_on_the_data_mesh_is_refused_with_the_fix(spec):
+BARE = r"Pass the bare PartitionSpec instead"
+
+
+@pytest.mark.parametrize("spec, fix", [(P("data"), FIX), (P(), BARE)])
+def test_a_linen_loss_constraining_on_the_data_mesh_is_refused_with_the_fix(spec, fix):
     model = Constrained(spec)
     params = model.init(jax.random.key(0), jnp.zeros((8, 4)))["params"]
 
@@ -48,7 +51,7 @@ def test_a_linen_loss_constraining_on_the_data_mesh_is_refused_with_the_fix(spec
     state = fdp.replicate(fdp.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1)))
     for stage in (0, 3):
         step = fdp.train_step(loss, sharding=fdp.Sharding(zero_stage=stage))
-        with pytest.raises(ValueError, match=rf"with_sharding_constraint .* axis 'data'.*{FIX}"):
+        with pytest.raises(ValueError, match=rf"with_sharding_constraint .* axis 'data'.*{fix}"):
             step(state, batch())
 
 
@@ -77,9 +80,11 @@ def test_an_nnx_loss_constraining_inside_a_scan_is_refused_too():
         fdp.nnx_train_step(loss)(model, optimizer, batch())
 
 
-def test_a_constraint_on_another_mesh_is_not_the_steps_business():
-    other = jax.make_mesh((1,), ("model",), devices=jax.devices()[:1])
-    sharding = NamedSharding(other, P())
+def test_a_constraint_on_another_axis_is_not_the_steps_business():
+    other = jax.make_mesh(
+        (1,), ("model",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    sharding = NamedSharding(other, P("model"))
 
     def loss(w, x):
         return jax.lax.with_sharding_constraint(x @ w, sharding).sum()

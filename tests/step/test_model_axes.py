@@ -1,0 +1,328 @@
+"""Data parallelism over 'data', tensor parallelism over 'model': the user's layout is kept.
+
+A Megatron-style MLP (first kernel split by columns over 'model', second by rows) on
+4 x 2 and 2 x 4 meshes of the 8 simulated devices: fdp's step keeps every leaf's split
+over 'model' (parameters and optimizer state), whether the user placed it so or
+declared it through Flax's partitioning metadata, and ends where one device on the
+full batch does (plain optax, ``reference_steps``).
+"""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import reference_steps
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fdp
+
+STEPS, ROWS = 3, 32
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+SPECS = {
+    "Dense_0": {"kernel": P(None, "model"), "bias": P("model")},
+    "Dense_1": {"kernel": P("model"), "bias": P()},
+}
+RULES = (("batch", None), ("embed", None), ("mlp", "model"), ("out", None))
+
+
+AUTO = (AxisType.Auto,) * 2
+
+
+def mesh_of(shape):
+    return jax.make_mesh(shape, ("data", "model"), axis_types=AUTO)
+
+
+class Megatron(nn.Module):
+    constrain: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(16)(x))
+        if self.constrain:  # as tensor-parallel models pin their activations
+            h = jax.lax.with_sharding_constraint(h, P(None, "model"))
+        return nn.Dense(4)(h)
+
+
+class LogicalMegatron(nn.Module):
+    """The same model, its layout declared the way Flax's examples declare theirs."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers
+        dense = nn.Dense(
+            16,
+            kernel_init=nn.with_logical_partitioning(init.lecun_normal(), ("embed", "mlp")),
+            bias_init=nn.with_logical_partitioning(init.zeros_init(), ("mlp",)),
+        )
+        h = nn.with_logical_constraint(nn.relu(dense(x)), ("batch", "mlp"))
+        out = nn.Dense(
+            4,
+            kernel_init=nn.with_logical_partitioning(init.lecun_normal(), ("mlp", "out")),
+            bias_init=nn.with_logical_partitioning(init.zeros_init(), ("out",)),
+        )
+        return out(h)
+
+
+def batches():
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "x": rng.normal(size=(ROWS, 8)).astype(np.float32),
+            "y": rng.normal(size=(ROWS, 4)).astype(np.float32),
+        }
+        for _ in range(STEPS)
+    ]
+
+
+def mse(apply_fn):
+    def loss_fn(params, batch):
+        return jnp.mean((apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    return loss_fn
+
+
+def params_of(model=None):
+    model = Megatron() if model is None else model
+    return model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
+
+
+def placed(tree, mesh, specs=SPECS):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def expected(params, model=None):
+    model = Megatron() if model is None else model
+    state = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+    return reference_steps(state, batches(), mse(model.apply))[0].params
+
+
+def leaf_values(tree):
+    return jax.device_get(jax.tree.leaves(tree))
+
+
+def assert_split_over_model(tree, mesh, specs=SPECS):
+    """Each leaf laid out as ``specs`` says: 1/model of a split leaf on every device."""
+    model = mesh.shape["model"]
+    for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs), strict=True):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), spec
+        held = leaf.addressable_shards[0].data.size
+        assert held == (leaf.size // model if len(spec) else leaf.size), (spec, held)
+
+
+def train(step, state, mesh):
+    for batch in batches():
+        state, _ = step(state, fdp.shard_batch(batch, mesh))
+    return state
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
+@pytest.mark.parametrize("layout", ["leaves", "flat"])
+def test_linen_keeps_the_model_split_and_ends_where_one_device_does(shape, layout):
+    mesh, params = mesh_of(shape), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(Megatron().apply), mesh=mesh, reduction=fdp.Reduction(layout=layout))
+    state = step.init(state)
+    assert_split_over_model(state.params, mesh)
+    state = train(step, state, mesh)
+    assert_split_over_model(state.params, mesh)
+    assert_split_over_model(state.opt_state[0].mu, mesh)
+    assert_split_over_model(state.opt_state[0].nu, mesh)
+    chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
+
+
+def test_accumulation_keeps_the_split_and_ends_where_one_device_does():
+    mesh, params = mesh_of((4, 2)), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(
+        mse(Megatron().apply), mesh=mesh, accumulation=fdp.Accumulation(steps=4)
+    )
+    state = train(step, step.init(state), mesh)
+    assert_split_over_model(state.params, mesh)
+    chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
+
+
+def test_the_split_survives_a_checkpoint_and_restores_onto_a_1d_mesh_and_back(tmp_path):
+    mesh, params = mesh_of((4, 2)), params_of()
+    line = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(Megatron().apply), mesh=mesh)
+    state = train(step, step.init(state), mesh)
+    ckpt = fdp.CheckpointManager(tmp_path / "2d", async_save=False)
+    ckpt.save(STEPS, state)
+    # Onto a 1-D mesh (DDP alone): the template says where each leaf goes.
+    fresh = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+    flat = ckpt.restore(fdp.train_step(mse(Megatron().apply), mesh=line).init(fresh)).state
+    assert all(x.sharding.mesh == line for x in jax.tree.leaves(flat.params))
+    chex.assert_trees_all_equal(leaf_values(flat), leaf_values(state))
+    # And back: a template with the model split gets it again, bit for bit.
+    ckpt = fdp.CheckpointManager(tmp_path / "1d", async_save=False)
+    ckpt.save(STEPS, flat)
+    template = step.init(
+        fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    )
+    back = ckpt.restore(template).state
+    assert_split_over_model(back.params, mesh)
+    assert_split_over_model(back.opt_state[0].nu, mesh)
+    chex.assert_trees_all_equal(leaf_values(back), leaf_values(state))
+
+
+def test_buckets_never_mix_layouts_and_the_plan_says_each_ones():
+    mesh = mesh_of((4, 2))
+    state = fdp.TrainState.create(
+        apply_fn=None, params=placed(params_of(), mesh), tx=optax.sgd(0.1)
+    )
+    # One cap large enough for every leaf: only the layouts keep them apart.
+    step = fdp.train_step(
+        mse(Megatron().apply),
+        mesh=mesh,
+        reduction=fdp.Reduction(bucket_cap_mb=100, layout="flat"),
+    )
+    train(step, step.init(state), mesh)
+    assert step.plan is not None
+    layouts = {b.layout: b.key_paths for b in step.plan.buckets}
+    assert len(step.plan.buckets) == len(layouts) == 3, step.plan.buckets
+    assert layouts[P()] == ("['Dense_1']['bias']",)
+    assert layouts[P("model")] == ("['Dense_1']['kernel']", "['Dense_0']['bias']")
+    assert layouts[P(None, "model")] == ("['Dense_0']['kernel']",)
+
+
+def test_a_constraint_on_the_model_axis_in_the_loss_works_as_written():
+    mesh, params = mesh_of((4, 2)), params_of()
+    model = Megatron(constrain=True)
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(model.apply), mesh=mesh)
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=AUTO)
+    with jax.set_mesh(one):  # the bare spec's mesh for plain jit; fdp's step needs none
+        want = expected(params, model)
+    state = train(step, step.init(state), mesh)
+    assert_split_over_model(state.params, mesh)
+    chex.assert_trees_all_close(jax.device_get(state.params), want, **TOL)
+
+
+def test_flax_logical_partitioning_is_read_from_the_boxes():
+    mesh, model = mesh_of((4, 2)), LogicalMegatron()
+    with nn.logical_axis_rules(RULES):
+        boxed = model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
+        # Unplaced: the arrays sit on one device; the boxes say where they go.
+        state = fdp.TrainState.create(apply_fn=None, params=boxed, tx=optax.adam(1e-2))
+        step = fdp.train_step(mse(model.apply), mesh=mesh)
+        state = step.init(state)
+        assert_split_over_model(nn.unbox(state.params), mesh)
+        state = train(step, state, mesh)
+        assert_split_over_model(nn.unbox(state.params), mesh)
+        assert_split_over_model(nn.unbox(state.opt_state[0].mu), mesh)
+        want = expected(nn.unbox(boxed), model)
+    chex.assert_trees_all_close(jax.device_get(nn.unbox(state.params)), want, **TOL)
+
+
+def test_a_declared_axis_the_mesh_lacks_is_named():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with nn.logical_axis_rules(RULES):
+        boxed = LogicalMegatron().init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
+    state = fdp.TrainState.create(apply_fn=None, params=boxed, tx=optax.sgd(0.1))
+    step = fdp.train_step(mse(LogicalMegatron().apply), mesh=mesh)
+    with (
+        nn.logical_axis_rules(RULES),
+        pytest.raises(ValueError, match=r"\['Dense_0'\]\['bias'\].*names \['model'\]"),
+    ):
+        step.init(state)
+
+
+class NNXMegatron(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers
+        self.l1 = nnx.Linear(
+            8,
+            16,
+            kernel_init=nnx.with_partitioning(init.lecun_normal(), (None, "model")),
+            bias_init=nnx.with_partitioning(init.zeros_init(), ("model",)),
+            rngs=rngs,
+        )
+        self.l2 = nnx.Linear(
+            16,
+            4,
+            kernel_init=nnx.with_partitioning(init.lecun_normal(), ("model", None)),
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def param_values(model):
+    return jax.device_get(jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def nnx_mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize(
+    "shape, eager", [((4, 2), True), ((2, 4), True), ((4, 2), False)], ids=["4x2", "2x4", "lazy"]
+)
+def test_nnx_keeps_the_declared_split_and_ends_where_one_device_does(shape, eager):
+    mesh = mesh_of(shape)
+    # Eager: Flax places each variable as declared, on the context mesh. Lazy: the
+    # arrays sit on one device, and fdp reads the declared sharding from the metadata.
+    created = jax.set_mesh(mesh) if eager else nnx.use_eager_sharding(False)
+    with created:
+        model = NNXMegatron(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with nnx.use_eager_sharding(False), jax.default_device(jax.devices()[0]):
+        reference = NNXMegatron(nnx.Rngs(0))
+        ref_opt = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.Param)
+    chex.assert_trees_all_equal(param_values(model), param_values(reference))
+    step = fdp.nnx_train_step(nnx_mse, mesh=mesh)
+    step.init(model, optimizer)
+    for batch in batches():
+        step(model, optimizer, fdp.shard_batch(batch, mesh))
+    kernels = (model.l1.kernel, model.l1.bias, model.l2.kernel, model.l2.bias)
+    want = (P(None, "model"), P("model"), P("model"), P())
+    assert_split_over_model([k[...] for k in kernels], mesh, list(want))
+
+    @nnx.jit
+    def ref_step(model, optimizer, batch):
+        grads = nnx.grad(nnx_mse)(model, batch)
+        optimizer.update(model, grads)
+
+    for batch in batches():
+        ref_step(reference, ref_opt, batch)
+    chex.assert_trees_all_close(param_values(model), param_values(reference), **TOL)
+
+
+def test_zero_on_a_mesh_with_a_model_axis_is_still_refused_naming_it():
+    mesh = mesh_of((4, 2))
+    with pytest.raises(ValueError, match=r"'model': 2"):
+        fdp.train_step(mse(Megatron().apply), mesh=mesh, sharding=fdp.Sharding(zero_stage=1))
+
+
+def test_explicit_axes_keep_the_split_of_a_model_written_for_them():
+    # On Explicit axes a sharding is part of a value's type: a product over a split
+    # contracting dimension names its output's sharding, as under plain jit.
+    explicit = (AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=explicit)
+    rng = np.random.default_rng(1)
+    params = {"w1": rng.normal(size=(8, 16)), "w2": rng.normal(size=(16, 4))}
+    params = jax.tree.map(lambda x: x.astype(np.float32), params)
+    specs = {"w1": P(None, "model"), "w2": P("model")}
+
+    def loss_fn(p, b):
+        h = jax.nn.relu(b["x"] @ p["w1"])
+        return jnp.mean((jnp.matmul(h, p["w2"], out_sharding=P()) - b["y"]) ** 2)
+
+    tx = optax.adam(1e-2)
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh, specs), tx=tx)
+    step = fdp.train_step(loss_fn, mesh=mesh)
+    state = train(step, step.init(state), mesh)
+    assert_split_over_model(state.params, mesh, specs)
+    one = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=explicit)
+    with jax.set_mesh(one):
+        want = reference_steps(
+            fdp.TrainState.create(apply_fn=None, params=params, tx=tx), batches(), loss_fn
+        )[0].params
+    chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(want), **TOL)
