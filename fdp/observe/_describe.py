@@ -26,6 +26,8 @@ class BucketRow:
       nbytes: bytes in its flat buffer.
       first: key path of its first gradient (the earliest ready).
       last: key path of its last gradient.
+      layout: how its gradients are split over the mesh's non-data axes (a
+        ``PartitionSpec`` as text; ``""`` where they are whole there).
     """
 
     index: int
@@ -34,6 +36,7 @@ class BucketRow:
     nbytes: int
     first: str
     last: str
+    layout: str = dataclasses.field(default="", kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +91,11 @@ class BucketReport:
         ]
         count = f"{len(self.rows)} bucket(s)"
         total = ("total", "", str(self.leaves), f"{self.nbytes:,}", count, "")
-        widths = [max(len(line[i]) for line in [header, *body, total]) for i in range(6)]
         numeric = (False, False, True, True, False, False)
+        if any(r.layout for r in self.rows):  # a mesh with model axes: each bucket's split
+            header, total, numeric = (*header, "layout"), (*total, ""), (*numeric, False)
+            body = [(*line, r.layout or "P()") for line, r in zip(body, self.rows, strict=True)]
+        widths = [max(len(line[i]) for line in [header, *body, total]) for i in range(len(header))]
 
         def fmt(line: tuple[str, ...]) -> str:
             cells = [
@@ -186,7 +192,13 @@ def bucket_report(
     plan = _plan_of(obj, bucket_cap_mb, first_bucket_cap_mb)
     rows = tuple(
         BucketRow(
-            b.index, str(b.dtype), len(b.leaf_indices), b.nbytes, b.key_paths[0], b.key_paths[-1]
+            b.index,
+            str(b.dtype),
+            len(b.leaf_indices),
+            b.nbytes,
+            b.key_paths[0],
+            b.key_paths[-1],
+            layout=str(b.layout) if len(b.layout) else "",
         )
         for b in plan.buckets
     )

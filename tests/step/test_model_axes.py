@@ -138,9 +138,7 @@ def test_linen_keeps_the_model_split_and_ends_where_one_device_does(shape, layou
 def test_accumulation_keeps_the_split_and_ends_where_one_device_does():
     mesh, params = mesh_of((4, 2)), params_of()
     state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
-    step = fdp.train_step(
-        mse(Megatron().apply), mesh=mesh, accumulation=fdp.Accumulation(steps=4)
-    )
+    step = fdp.train_step(mse(Megatron().apply), mesh=mesh, accumulation=fdp.Accumulation(steps=4))
     state = train(step, step.init(state), mesh)
     assert_split_over_model(state.params, mesh)
     chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
@@ -189,6 +187,8 @@ def test_buckets_never_mix_layouts_and_the_plan_says_each_ones():
     assert layouts[P()] == ("['Dense_1']['bias']",)
     assert layouts[P("model")] == ("['Dense_1']['kernel']", "['Dense_0']['bias']")
     assert layouts[P(None, "model")] == ("['Dense_0']['kernel']",)
+    table = fdp.describe(step)
+    assert "layout" in table and "P(None, 'model')" in table, table
 
 
 def test_a_constraint_on_the_model_axis_in_the_loss_works_as_written():
