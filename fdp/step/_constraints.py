@@ -71,7 +71,9 @@ def check_no_data_constraints(jaxpr: Any, axis_names: Sequence[str]) -> None:
                 f"should be of type Manual'). The batch is already split over {data[0]!r} "
                 "there, as the constraint asks: leave the constraint out when the model "
                 "runs under fdp (for example behind a flag of the model), or train it "
-                "with plain jax.jit and these constraints instead of fdp's step."
+                "with plain jax.jit and these constraints instead of fdp's step. With "
+                "Flax's logical partitioning, map the logical axis that names "
+                f"{data[0]!r} to None in the rules: fdp splits over the data axis itself."
             )
         on_data_mesh = [n for n in names if n in axis_names]
         if concrete and on_data_mesh:
