@@ -45,6 +45,7 @@ MULTI_DEVICE_PAGES = {
     "collectives.md",
     "comm-hooks.md",
     "getting-started.md",
+    "model-parallel.md",
     "observability.md",
     "training-semantics.md",
 }
