@@ -308,14 +308,6 @@ class StepConfig:
                 "quantization hooks rebuild whole gradients on every device: use them "
                 "with zero_stage=0 or 1."
             )
-        if self.mesh is not None:
-            data = axis_names_of(self.axis_name)
-            others = {a: s for a, s in self.mesh.shape.items() if a not in data and s > 1}
-            if others:
-                raise ValueError(
-                    f"zero_stage={stage} shards over the data axis {self.axis_name!r} only; "
-                    f"the mesh also has axes {others}. Use a mesh with the data axis alone."
-                )
 
     # -- resolving what depends on the devices (the first call) -------------------------
 

@@ -49,6 +49,7 @@ from fdp.hooks._contract import (
     mean_reduce_scatter,
 )
 from fdp.hooks._two_level import share_bucket, share_plan, split_axis
+from fdp.step._padding import taken_dims
 from fdp.step._zero import bucket_shard_dims, shard_dim
 
 WHAT = "shard_over='inner'"
@@ -188,7 +189,7 @@ def hybrid(outer_hook: CommHook, *, inner_size: int) -> CommHook:
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
         outer_axis, inner_axis = split_axis(bucket.axis_name, f"hook {name!r}")
         k = axis_size(inner_axis)
-        dims = [shard_dim(shape, k) for shape in bucket.shapes]
+        dims = [shard_dim(shape, k, taken_dims(bucket.layout)) for shape in bucket.shapes]
         out: list[Any] = list(bucket.gradients)
         split = [j for j, d in enumerate(dims) if d is not None]
         whole = [j for j, d in enumerate(dims) if d is None]

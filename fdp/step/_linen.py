@@ -176,8 +176,10 @@ class DataParallelStep(Step):
             self._remember_shapes(params, state.opt_state)
         extra = ([] if stats is None else [stats]) + ([] if rng is None else [rng])
         micro_batch = local_batch_struct(batch, rows, cfg)
-        layouts = model_specs(params, cfg.bound_mesh, cfg.axis_name)
-        return prepare(cfg, self.loss_fn, rows, params, micro_batch, *extra, layouts=layouts)
+        mesh, axis = cfg.bound_mesh, cfg.axis_name
+        layouts = model_specs(params, mesh, axis)
+        plan = prepare(cfg, self.loss_fn, rows, params, micro_batch, *extra, layouts=layouts)
+        return plan.with_opt_layouts(model_specs(state.opt_state, mesh, axis))
 
     def init(self, state: Any) -> Any:
         """Prepares ``state`` for this step, as ``tx.init`` prepares an optimizer's.

@@ -194,8 +194,11 @@ class NNXDataParallelStep(Step):
         micro_batch = local_batch_struct(batch, rows, cfg)
         loss = _ModelLoss(self.loss_fn, graphdef)
         try:
-            layouts = model_specs(params, cfg.bound_mesh, cfg.axis_name)
-            return prepare(cfg, loss, rows, params, micro_batch, keys, rest, layouts=layouts)
+            mesh, axis = cfg.bound_mesh, cfg.axis_name
+            layouts = model_specs(params, mesh, axis)
+            plan = prepare(cfg, loss, rows, params, micro_batch, keys, rest, layouts=layouts)
+            # In the leaf order of nnx.as_pure(optimizer.opt_state), the front end's.
+            return plan.with_opt_layouts(model_specs(optimizer.opt_state, mesh, axis))
         except flax.errors.TraceContextError as e:
             raise _captured_object_error(e) from e
 

@@ -34,30 +34,56 @@ import numpy as np
 
 from fdp.data._placement import unsplit
 
+Taken = frozenset[int]  # dimensions split over a model axis, which ZeRO leaves alone
+NONE_TAKEN: Taken = frozenset()
 
-def _divisible(shape: Sequence[int], n: int) -> bool:
-    return any(size % n == 0 and size >= n for size in shape)
+
+def taken_dims(layout: Any) -> Taken:
+    """The dimensions a leaf's model-axis ``PartitionSpec`` splits (ZeRO uses the others).
+
+    Example:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> sorted(taken_dims(P(None, "model"))), sorted(taken_dims(P()))
+      ([1], [])
+    """
+    return frozenset(d for d, part in enumerate(layout) if part is not None)
 
 
-def pad_dim(shape: Sequence[int], n: int) -> int | None:
+def layouts_of(tree: Any, layouts: Sequence[Any]) -> list[Taken]:
+    """Per leaf of ``tree``, its taken dimensions (``layouts`` empty: none taken)."""
+    n = len(jax.tree.leaves(tree))
+    if not layouts:
+        return [NONE_TAKEN] * n
+    if len(layouts) != n:
+        raise ValueError(f"{len(layouts)} layouts for a tree of {n} leaves.")
+    return [taken_dims(layout) for layout in layouts]
+
+
+def _divisible(shape: Sequence[int], n: int, taken: Taken = NONE_TAKEN) -> bool:
+    return any(size % n == 0 and size >= n for d, size in enumerate(shape) if d not in taken)
+
+
+def pad_dim(shape: Sequence[int], n: int, taken: Taken = NONE_TAKEN) -> int | None:
     """The dimension a leaf of ``shape`` is padded along over ``n`` devices, or None.
 
     None when no padding is needed (a dimension ``n`` divides) or worth it
     (fewer than ``n`` elements). Otherwise the dimension whose padding leaves
-    each device the fewest elements, the first on ties.
+    each device the fewest elements, the first on ties. Dimensions in ``taken``
+    (split over a model axis) are neither read nor padded.
 
     Example:
       >>> pad_dim((7, 5), 8), pad_dim((1, 1001), 8), pad_dim((3,), 8), pad_dim((16, 5), 8)
       (0, 1, None, None)
     """
     shape = tuple(shape)
-    if n <= 1 or not shape or math.prod(shape) < n or _divisible(shape, n):
+    free = [d for d in range(len(shape)) if d not in taken]
+    if n <= 1 or not free or math.prod(shape) < n or _divisible(shape, n, taken):
         return None
     total = math.prod(shape)
-    return min(range(len(shape)), key=lambda d: (-(-shape[d] // n) * (total // shape[d]), d))
+    return min(free, key=lambda d: (-(-shape[d] // n) * (total // shape[d]), d))
 
 
-def padded_shape(shape: Sequence[int], n: int) -> tuple[int, ...]:
+def padded_shape(shape: Sequence[int], n: int, taken: Taken = NONE_TAKEN) -> tuple[int, ...]:
     """``shape`` padded as :func:`pad_dim` says (unchanged where it says None).
 
     Example:
@@ -65,29 +91,36 @@ def padded_shape(shape: Sequence[int], n: int) -> tuple[int, ...]:
       ((8, 5), (16,), (3,))
     """
     shape = tuple(shape)
-    d = pad_dim(shape, n)
+    d = pad_dim(shape, n, taken)
     if d is None:
         return shape
     return (*shape[:d], -(-shape[d] // n) * n, *shape[d + 1 :])
 
 
-def pad_leaf(x: Any, n: int) -> Any:
+def pad_leaf(x: Any, n: int, taken: Taken = NONE_TAKEN) -> Any:
     """``x`` padded with zeros at the end of its :func:`pad_dim` (as it is where None)."""
     shape = tuple(np.shape(x))
-    target = padded_shape(shape, n)
+    target = padded_shape(shape, n, taken)
     if target == shape:
         return x
     return jnp.pad(x, [(0, t - s) for s, t in zip(shape, target, strict=True)])
 
 
-def pad_tree(tree: Any, n: int) -> Any:
-    """Every leaf of ``tree`` padded for ``n`` devices (:func:`pad_leaf`)."""
-    return jax.tree.map(lambda x: pad_leaf(x, n), tree)
+def pad_tree(tree: Any, n: int, layouts: Sequence[Any] = ()) -> Any:
+    """Every leaf of ``tree`` padded for ``n`` devices (:func:`pad_leaf`).
+
+    ``layouts``: per leaf, its model-axis ``PartitionSpec`` (empty: none).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    taken = layouts_of(tree, layouts)
+    return jax.tree.unflatten(
+        treedef, [pad_leaf(x, n, t) for x, t in zip(leaves, taken, strict=True)]
+    )
 
 
-def pad_struct(x: Any, n: int) -> Any:
+def pad_struct(x: Any, n: int, taken: Taken = NONE_TAKEN) -> Any:
     """A ``jax.ShapeDtypeStruct`` with its :func:`padded_shape` (for abstract placing)."""
-    return jax.ShapeDtypeStruct(padded_shape(np.shape(x), n), x.dtype)
+    return jax.ShapeDtypeStruct(padded_shape(np.shape(x), n, taken), x.dtype)
 
 
 def unpad_like(tree: Any, like: Any) -> Any:
@@ -104,20 +137,23 @@ def unpad_like(tree: Any, like: Any) -> Any:
     return jax.tree.map(cut, tree, like)
 
 
-def needs_padding(tree: Any, n: int) -> bool:
+def needs_padding(tree: Any, n: int, layouts: Sequence[Any] = ()) -> bool:
     """Whether some leaf of ``tree`` is not yet padded for ``n`` devices."""
     if n <= 1:
         return False
-    return any(_pad_dim_of(tuple(np.shape(x)), n) is not None for x in jax.tree.leaves(tree))
+    return any(
+        _pad_dim_of(tuple(np.shape(x)), n, t) is not None
+        for x, t in zip(jax.tree.leaves(tree), layouts_of(tree, layouts), strict=True)
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def _pad_dim_of(shape: tuple[int, ...], n: int) -> int | None:
+def _pad_dim_of(shape: tuple[int, ...], n: int, taken: Taken) -> int | None:
     """:func:`pad_dim`, cached: every ZeRO step checks its state's leaves."""
-    return pad_dim(shape, n)
+    return pad_dim(shape, n, taken)
 
 
-def padding_bytes(shape: Sequence[int], dtype: Any, n: int) -> int:
+def padding_bytes(shape: Sequence[int], dtype: Any, n: int, taken: Taken = NONE_TAKEN) -> int:
     """The bytes :func:`pad_leaf` adds to a leaf of ``shape`` in all (0 if none)."""
-    extra = math.prod(padded_shape(shape, n)) - math.prod(tuple(shape))
+    extra = math.prod(padded_shape(shape, n, taken)) - math.prod(tuple(shape))
     return extra * np.dtype(dtype).itemsize

@@ -48,6 +48,10 @@ class StepPlan:
         (:attr:`fdp.step._config.StepConfig.reduces_with_last_micro_batch`, where
         every parameter accumulates in its own floating dtype, the loss runs no
         collective over the data axis, and ``FDP_CHECK_FINITE`` is off).
+      opt_layouts: per leaf of the optimizer state, its split over the mesh's
+        model axes (empty: none); the parameters' are ``buckets.leaf_layouts``.
+        ZeRO's update keeps both inside the step, where arrays carry no
+        sharding to read them from.
     """
 
     buckets: BucketPlan
@@ -56,9 +60,24 @@ class StepPlan:
     folds: FoldCount | None = None
     scanned: tuple[int, ...] = ()
     last_in_loop: bool = False
+    opt_layouts: Specs = ()
 
     def _key(self) -> tuple:
-        return (self.buckets, self.usage, self.rows, self.folds, self.scanned, self.last_in_loop)
+        return (
+            self.buckets,
+            self.usage,
+            self.rows,
+            self.folds,
+            self.scanned,
+            self.last_in_loop,
+            self.opt_layouts,
+        )
+
+    def with_opt_layouts(self, layouts: Specs) -> StepPlan:
+        """This plan with the optimizer state's model-axis layouts (unchanged without any)."""
+        if not any(len(spec) for spec in layouts):
+            return self
+        return dataclasses.replace(self, opt_layouts=tuple(layouts))
 
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, StepPlan) and self._key() == other._key())

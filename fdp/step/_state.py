@@ -270,7 +270,7 @@ def prepare_linen_state(config: StepConfig, state: Any, buckets: BucketPlan) -> 
         if not zero_placed(config, state.params, state.opt_state):
             core, side = split_side(state)
             if not on_mesh(core, config.bound_mesh):
-                core = replicate(core, config.bound_mesh)
+                core = replicate_over_data(config, core)
             state = join_side(place_zero_core(config, core), side)
     elif not _stacked(config, state):
         core, side = split_side(state)

@@ -131,7 +131,7 @@ class Step(StepRunner):
         shard = cfg.shard_axis  # the data axis, or each host's devices (HSDP)
         view = front.open(cfg, static, parts, local=False)
         data = P(axis)
-        param_specs = specs(view.params, cfg.num_shards, shard)
+        param_specs = specs(view.params, cfg.num_shards, shard, plan.buckets.leaf_layouts)
         buffer_spec = front.buffer_spec(cfg, view.buffers)
 
         def local(params: Any, buffers: Any, keys: Any, hook_state: Any, *inputs: Any) -> tuple:

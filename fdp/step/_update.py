@@ -180,22 +180,24 @@ def sharded_update(
     """
     mesh, axis = config.bound_mesh, config.shard_axis  # the data axis, or a host's devices
     n = config.num_shards
+    # Each leaf's split over the model axes (tensor parallelism), kept under ZeRO's.
+    laid, opt_laid = plan.buckets.leaf_layouts, plan.opt_layouts
     # Parameters and gradients padded as the optimizer state is (fdp.step._padding),
     # the padding cut off the new parameters after.
     params = front.params(owner)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     owner = front.with_arrays(
         owner,
-        constrain(pad_tree(params, n), mesh, axis),
-        constrain(front.opt_state(owner), mesh, axis),
+        constrain(pad_tree(params, n, laid), mesh, axis, laid),
+        constrain(front.opt_state(owner), mesh, axis, opt_laid),
     )
     keep = None if flags is None else keep_from_flags(plan.usage, flags)
-    owner = update(front, owner, constrain(pad_tree(grads, n), mesh, axis), keep)
+    owner = update(front, owner, constrain(pad_tree(grads, n, laid), mesh, axis, laid), keep)
     params = unpad_like(front.params(owner), shapes)
     return front.with_arrays(
         owner,
-        constrain(params, mesh, axis)
+        constrain(params, mesh, axis, laid)
         if config.zero_stage >= 3
-        else constrain_replicated(params, mesh),
-        constrain(front.opt_state(owner), mesh, axis),
+        else constrain_replicated(params, mesh, laid),
+        constrain(front.opt_state(owner), mesh, axis, opt_laid),
     )

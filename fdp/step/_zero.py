@@ -43,10 +43,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fdp.bucketing import BucketPlan
+from fdp.bucketing._plan import WHOLE
 from fdp.collectives._axis import AxisName
 from fdp.data._abstract import is_abstract, placed_like
-from fdp.data._placement import check_axis, constrain_to
-from fdp.step._padding import needs_padding, pad_dim, pad_struct, pad_tree, padding_bytes
+from fdp.data._model_axes import drop_axes, model_specs
+from fdp.data._placement import axis_names_of, check_axis, constrain_to
+from fdp.step._padding import (
+    NONE_TAKEN,
+    Taken,
+    needs_padding,
+    pad_dim,
+    pad_struct,
+    pad_tree,
+    padding_bytes,
+    taken_dims,
+)
 
 STAGES = (0, 1, 2, 3)
 
@@ -63,7 +74,7 @@ def check_stage(stage: Any) -> int:
     return int(stage)
 
 
-def shard_dim(shape: Sequence[int], n: int) -> int | None:
+def shard_dim(shape: Sequence[int], n: int, taken: Taken = NONE_TAKEN) -> int | None:
     """The dimension a leaf of ``shape`` is split along over ``n`` devices, or None.
 
     The first dimension ``n`` divides, except that a leaf of three or more
@@ -71,7 +82,9 @@ def shard_dim(shape: Sequence[int], n: int) -> int | None:
     (``nn.scan``/``nnx.scan``, ``[L, d_in, d_out]``) then holds a share of every
     layer, so a loop over it gathers one layer per trip from the state as it is
     (split along the layer axis, each device would hold whole layers, and the
-    step would first re-split the stack into a second copy).
+    step would first re-split the stack into a second copy). Dimensions in
+    ``taken`` (split over a model axis: :func:`fdp.step._padding.taken_dims`)
+    are left to it: the data axis goes on another.
 
     Example:
       >>> shard_dim((10, 16), 8), shard_dim((10,), 8), shard_dim((), 8)
@@ -81,51 +94,90 @@ def shard_dim(shape: Sequence[int], n: int) -> int | None:
     """
     if n <= 1:
         return None
-    fits = [d for d, size in enumerate(shape) if size % n == 0 and size >= n]
+    fits = [d for d, size in enumerate(shape) if size % n == 0 and size >= n and d not in taken]
     if len(shape) >= 3 and any(d > 0 for d in fits):
         return next(d for d in fits if d > 0)
     return fits[0] if fits else None
 
 
-def spec(shape: Sequence[int], n: int, axis_name: AxisName) -> P:
-    """The ``PartitionSpec`` of a leaf of ``shape`` sharded over ``axis_name``."""
-    d = shard_dim(shape, n)
+def spec(shape: Sequence[int], n: int, axis_name: AxisName, layout: P = WHOLE) -> P:
+    """The data-axis ``PartitionSpec`` of a leaf of ``shape`` sharded over ``axis_name``.
+
+    Only the data axis (what a ``shard_map`` manual over it names); ``layout``,
+    the leaf's split over the mesh's model axes, says which dimensions are taken.
+    """
+    d = shard_dim(shape, n, taken_dims(layout))
     if d is None:
         return P()
     return P(*([None] * d), axis_name)
 
 
-def specs(tree: Any, n: int, axis_name: AxisName) -> Any:
-    """``tree`` with each array leaf replaced by its ``PartitionSpec``."""
-    return jax.tree.map(lambda x: spec(np.shape(x), n, axis_name), tree)
+def full_spec(shape: Sequence[int], n: int, axis_name: AxisName, layout: P = WHOLE) -> P:
+    """The whole ``PartitionSpec`` of a ZeRO-sharded leaf: ``layout`` plus the data axis.
+
+    Example:
+      >>> full_spec((8, 16), 4, "data", P(None, "model")) == P("data", "model")
+      True
+      >>> full_spec((16, 4), 4, "data", P("model")) == P("model", "data")
+      True
+    """
+    d = shard_dim(shape, n, taken_dims(layout))
+    if d is None:
+        return layout
+    parts = list(layout) + [None] * (len(shape) - len(layout))
+    parts[d] = axis_name
+    return drop_axes(P(*parts), ())
 
 
-def shardings(tree: Any, mesh: Mesh, axis_name: AxisName) -> Any:
+def _per_leaf(tree: Any, layouts: Sequence[P], fn: Any) -> Any:
+    """``tree`` with each leaf ``x`` replaced by ``fn(x, its layout)``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if layouts and len(layouts) != len(leaves):
+        raise ValueError(f"{len(layouts)} layouts for a tree of {len(leaves)} leaves.")
+    laid = layouts or (WHOLE,) * len(leaves)
+    return jax.tree.unflatten(treedef, [fn(x, lay) for x, lay in zip(leaves, laid, strict=True)])
+
+
+def specs(tree: Any, n: int, axis_name: AxisName, layouts: Sequence[P] = ()) -> Any:
+    """``tree`` with each array leaf replaced by its data-axis ``PartitionSpec``.
+
+    ``layouts``: per leaf, its split over the model axes (empty: none).
+    """
+    return _per_leaf(tree, layouts, lambda x, lay: spec(np.shape(x), n, axis_name, lay))
+
+
+def shardings(tree: Any, mesh: Mesh, axis_name: AxisName, layouts: Sequence[P] = ()) -> Any:
     """``tree`` with each array leaf replaced by its ``NamedSharding`` on ``mesh``."""
     n = check_axis(mesh, axis_name)
-    return jax.tree.map(lambda x: NamedSharding(mesh, spec(np.shape(x), n, axis_name)), tree)
+
+    def one(x: Any, layout: P) -> NamedSharding:
+        return NamedSharding(mesh, full_spec(np.shape(x), n, axis_name, layout))
+
+    return _per_leaf(tree, layouts, one)
 
 
-def replicated(tree: Any, mesh: Mesh) -> Any:
-    """``tree`` with each array leaf replaced by the replicated sharding."""
-    whole = NamedSharding(mesh, P())
-    return jax.tree.map(lambda _: whole, tree)
+def replicated(tree: Any, mesh: Mesh, layouts: Sequence[P] = ()) -> Any:
+    """``tree`` with each leaf replaced by its sharding whole over the data axis."""
+    return _per_leaf(tree, layouts, lambda _, layout: NamedSharding(mesh, layout))
 
 
-def constrain(tree: Any, mesh: Mesh, axis_name: AxisName) -> Any:
+def constrain(tree: Any, mesh: Mesh, axis_name: AxisName, layouts: Sequence[P] = ()) -> Any:
     """Inside ``jit``: ``tree`` constrained to its ZeRO shardings (resharded on Explicit axes)."""
-    return constrain_to(tree, shardings(tree, mesh, axis_name))
+    return constrain_to(tree, shardings(tree, mesh, axis_name, layouts))
 
 
-def constrain_replicated(tree: Any, mesh: Mesh) -> Any:
-    """Inside ``jit``: ``tree`` constrained to be whole on every device."""
-    return constrain_to(tree, replicated(tree, mesh))
+def constrain_replicated(tree: Any, mesh: Mesh, layouts: Sequence[P] = ()) -> Any:
+    """Inside ``jit``: ``tree`` constrained to be whole over the data axis."""
+    return constrain_to(tree, replicated(tree, mesh, layouts))
 
 
 @functools.lru_cache(maxsize=64)
 def bucket_shard_dims(plan: BucketPlan, n: int) -> tuple[int | None, ...]:
     """Per parameter leaf of ``plan``, its shard dimension over ``n`` devices."""
-    return tuple(shard_dim(s, n) for s in plan.leaf_shapes)
+    layouts = plan.leaf_layouts or (WHOLE,) * len(plan.leaf_shapes)
+    return tuple(
+        shard_dim(s, n, taken_dims(lay)) for s, lay in zip(plan.leaf_shapes, layouts, strict=True)
+    )
 
 
 def gather(leaves: Sequence[jax.Array], dims: Sequence[int | None], axis_name: AxisName) -> list:
@@ -200,28 +252,40 @@ def is_placed(tree: Any, mesh: Mesh, axis_name: AxisName, *, pad: bool = False) 
 
     With ``pad``, also whether every leaf :func:`place` pads is padded already.
     Every step of a ZeRO stage asks this of the state it is given, so the
-    per-shape answers are cached.
+    per-shape answers are cached. A leaf on ``mesh`` is read with its split
+    over the model axes (:mod:`fdp.data._model_axes`).
     """
     n = check_axis(mesh, axis_name)
     if n <= 1:  # nothing is padded or split over one device
         return True
-    if pad and needs_padding(tree, n):
+    data = set(axis_names_of(axis_name))
+    leaves = jax.tree.leaves(tree)
+    layouts = [_layout_on(x, mesh, data) for x in leaves]
+    if pad and needs_padding(tree, n, layouts):
         return False
-    for x in jax.tree.leaves(tree):
-        target = _placed_sharding(mesh, tuple(np.shape(x)), n, axis_name)
+    for x, layout in zip(leaves, layouts, strict=True):
+        target = _placed_sharding(mesh, tuple(np.shape(x)), n, axis_name, layout)
         if target is not None:
             return getattr(x, "sharding", None) == target
     return True
 
 
+def _layout_on(x: Any, mesh: Mesh, data: set[str]) -> P:
+    """``x``'s split over ``mesh``'s non-data axes (``P()`` where it is not on ``mesh``)."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        return drop_axes(sharding.spec, data)
+    return WHOLE
+
+
 @functools.lru_cache(maxsize=1024)
 def _placed_sharding(
-    mesh: Mesh, shape: tuple[int, ...], n: int, axis_name: AxisName
+    mesh: Mesh, shape: tuple[int, ...], n: int, axis_name: AxisName, layout: P = WHOLE
 ) -> NamedSharding | None:
     """The ZeRO sharding of a leaf of ``shape``, or None where it is not split."""
-    if shard_dim(shape, n) is None:
+    if shard_dim(shape, n, taken_dims(layout)) is None:
         return None
-    return NamedSharding(mesh, spec(shape, n, axis_name))
+    return NamedSharding(mesh, full_spec(shape, n, axis_name, layout))
 
 
 @functools.lru_cache(maxsize=32)
@@ -230,9 +294,11 @@ def _place_jit(treedef: Any, targets: tuple[NamedSharding, ...]) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _pad_place_jit(treedef: Any, n: int, targets: tuple[NamedSharding, ...]) -> Any:
+def _pad_place_jit(
+    treedef: Any, n: int, layouts: tuple[P, ...], targets: tuple[NamedSharding, ...]
+) -> Any:
     out = jax.tree.unflatten(treedef, targets)
-    return jax.jit(lambda tree: pad_tree(tree, n), out_shardings=out)
+    return jax.jit(lambda tree: pad_tree(tree, n, layouts), out_shardings=out)
 
 
 def place(
@@ -248,14 +314,18 @@ def place(
     so they are sharded too.
     """
     n = check_axis(mesh, axis_name)
-    if pad and sharded and needs_padding(tree, n):
-        shapes = jax.tree.map(lambda x: pad_struct(x, n), tree)
-        target = shardings(shapes, mesh, axis_name)
+    layouts = model_specs(tree, mesh, axis_name)
+    if pad and sharded and needs_padding(tree, n, layouts):
+        shapes = _per_leaf(tree, layouts, lambda x, lay: pad_struct(x, n, taken_dims(lay)))
+        target = shardings(shapes, mesh, axis_name, layouts)
         if is_abstract(tree):
             return placed_like(shapes, target)
         treedef = jax.tree.structure(tree)
-        return _pad_place_jit(treedef, n, tuple(jax.tree.leaves(target)))(tree)
-    target = shardings(tree, mesh, axis_name) if sharded else replicated(tree, mesh)
+        return _pad_place_jit(treedef, n, layouts, tuple(jax.tree.leaves(target)))(tree)
+    if sharded:
+        target = shardings(tree, mesh, axis_name, layouts)
+    else:
+        target = replicated(tree, mesh, layouts)
     if is_abstract(tree):  # lowered for a mesh it cannot run on: describe, compute nothing
         return placed_like(tree, target)
     treedef = jax.tree.structure(tree)

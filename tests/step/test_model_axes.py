@@ -262,10 +262,17 @@ def nnx_mse(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-@pytest.mark.parametrize(
-    "shape, eager", [((4, 2), True), ((2, 4), True), ((4, 2), False)], ids=["4x2", "2x4", "lazy"]
-)
-def test_nnx_keeps_the_declared_split_and_ends_where_one_device_does(shape, eager):
+NNX_CASES = {
+    "4x2": ((4, 2), True, 0),
+    "2x4": ((2, 4), True, 0),
+    "lazy": ((4, 2), False, 0),
+    "4x2-stage3": ((4, 2), True, 3),
+    "2x4-lazy-stage1": ((2, 4), False, 1),
+}
+
+
+@pytest.mark.parametrize("shape, eager, stage", NNX_CASES.values(), ids=NNX_CASES.keys())
+def test_nnx_keeps_the_declared_split_and_ends_where_one_device_does(shape, eager, stage):
     mesh = mesh_of(shape)
     # Eager: Flax places each variable as declared, on the context mesh. Lazy: the
     # arrays sit on one device, and fdp reads the declared sharding from the metadata.
@@ -277,13 +284,20 @@ def test_nnx_keeps_the_declared_split_and_ends_where_one_device_does(shape, eage
         reference = NNXMegatron(nnx.Rngs(0))
         ref_opt = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.Param)
     chex.assert_trees_all_equal(param_values(model), param_values(reference))
-    step = fdp.nnx_train_step(nnx_mse, mesh=mesh)
+    step = fdp.nnx_train_step(nnx_mse, mesh=mesh, sharding=fdp.Sharding(zero_stage=stage))
     step.init(model, optimizer)
     for batch in batches():
         step(model, optimizer, fdp.shard_batch(batch, mesh))
     kernels = (model.l1.kernel, model.l1.bias, model.l2.kernel, model.l2.bias)
     want = (P(None, "model"), P("model"), P("model"), P())
-    assert_split_over_model([k[...] for k in kernels], mesh, list(want))
+    if stage < 3:
+        assert_split_over_model([k[...] for k in kernels], mesh, list(want))
+    else:  # the kernels split over 'data' too, on the dimension the model axis leaves
+        assert model.l1.kernel[...].sharding.spec == P("data", "model")
+        assert model.l2.kernel[...].sharding.spec[:2] == ("model", "data")
+    if stage:
+        mu = optimizer.opt_state[0].mu
+        assert mu["l1"]["kernel"][...].sharding.spec == P("data", "model")
 
     @nnx.jit
     def ref_step(model, optimizer, batch):
@@ -295,10 +309,48 @@ def test_nnx_keeps_the_declared_split_and_ends_where_one_device_does(shape, eage
     chex.assert_trees_all_close(param_values(model), param_values(reference), **TOL)
 
 
-def test_zero_on_a_mesh_with_a_model_axis_is_still_refused_naming_it():
-    mesh = mesh_of((4, 2))
-    with pytest.raises(ValueError, match=r"'model': 2"):
-        fdp.train_step(mse(Megatron().apply), mesh=mesh, sharding=fdp.Sharding(zero_stage=1))
+def zero_held(leaf, spec, mesh, stage_split):
+    """Elements one device holds of ``leaf``: 1/model where ``spec`` splits it, and 1/data
+    more where ZeRO splits it too (a dimension the model axis leaves and 'data' divides)."""
+    model, data = mesh.shape["model"], mesh.shape["data"]
+    held = leaf.size // model if len(spec) else leaf.size
+    return held // data if stage_split else held
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
+def test_zero_splits_over_data_on_top_of_the_model_split(shape, stage):
+    mesh, params = mesh_of(shape), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(Megatron().apply), mesh=mesh, sharding=fdp.Sharding(zero_stage=stage))
+    state = train(step, step.init(state), mesh)
+    kernels = [("Dense_0", "kernel", 0), ("Dense_1", "kernel", 1)]  # ZeRO's dimension
+    trees = [state.opt_state[0].mu, state.opt_state[0].nu]
+    trees += [state.params] if stage == 3 else []
+    for tree in trees:
+        for layer, name, dim in kernels:
+            leaf, spec = tree[layer][name], SPECS[layer][name]
+            assert leaf.sharding.spec[dim] == "data", (layer, leaf.sharding)
+            assert leaf.addressable_shards[0].data.size == zero_held(leaf, spec, mesh, True)
+    if stage < 3:  # whole over the data axis, split over 'model' as placed
+        assert_split_over_model(state.params, mesh)
+    chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
+
+
+def test_zero3_with_accumulation_on_a_model_axis_ends_where_one_device_does():
+    mesh, params = mesh_of((4, 2)), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(
+        mse(Megatron().apply),
+        mesh=mesh,
+        sharding=fdp.Sharding(zero_stage=3),
+        accumulation=fdp.Accumulation(steps=2),
+        reduction=fdp.Reduction(layout="flat"),
+    )
+    state = train(step, step.init(state), mesh)
+    kernel = state.params["Dense_0"]["kernel"]
+    assert kernel.addressable_shards[0].data.size == kernel.size // 8
+    chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
 
 
 def test_explicit_axes_keep_the_split_of_a_model_written_for_them():
@@ -326,3 +378,43 @@ def test_explicit_axes_keep_the_split_of_a_model_written_for_them():
             fdp.TrainState.create(apply_fn=None, params=params, tx=tx), batches(), loss_fn
         )[0].params
     chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(want), **TOL)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hsdp_composes_host_x_data_x_model(stage):
+    # ZeRO inside each "host", replicated across them, tensor parallel over 'model'.
+    mesh = jax.make_mesh((2, 2, 2), ("host", "device", "model"), axis_types=(AxisType.Auto,) * 3)
+    params = params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(
+        mse(Megatron().apply),
+        mesh=mesh,
+        axis_name=("host", "device"),
+        sharding=fdp.Sharding(zero_stage=stage, shard_over="inner"),
+    )
+    state = step.init(state)
+    for batch in batches():
+        state, _ = step(state, fdp.shard_batch(batch, mesh, axis_name=("host", "device")))
+    mu = state.opt_state[0].mu["Dense_0"]["kernel"]
+    assert mu.sharding.spec == P("device", "model"), mu.sharding
+    assert mu.addressable_shards[0].data.size == mu.size // 4
+    chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
+
+
+def test_init_sharded_builds_stage3_shares_of_a_declared_split_directly():
+    mesh, model = mesh_of((4, 2)), LogicalMegatron()
+
+    def make_state(key):
+        params = model.init(key, jnp.zeros((1, 8)))["params"]
+        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+
+    with nn.logical_axis_rules(RULES):
+        step = fdp.train_step(mse(model.apply), mesh=mesh, sharding=fdp.Sharding(zero_stage=3))
+        built = step.init_sharded(make_state, jax.random.key(0))
+        want = step.init(make_state(jax.random.key(0)))
+    kernel = nn.unbox(built.params)["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == P("data", "model"), kernel.sharding
+    assert kernel.addressable_shards[0].data.size == kernel.size // 8
+    chex.assert_trees_all_equal(leaf_values(built), leaf_values(want))
+    for got, ref in zip(jax.tree.leaves(built), jax.tree.leaves(want), strict=True):
+        assert got.sharding == ref.sharding
