@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fdp.collectives._axis import AxisName
+from fdp.collectives._blocks import spec_axes
 from fdp.data._abstract import is_abstract, placed_like
 
 Specs = tuple[P, ...]
@@ -63,22 +64,6 @@ def drop_axes(spec: P, axes: Collection[str]) -> P:
     while parts and parts[-1] is None:
         parts.pop()
     return P(*parts)
-
-
-def spec_axes(spec: P) -> tuple[str, ...]:
-    """The mesh axes ``spec`` names, in order.
-
-    Example:
-      >>> spec_axes(P(None, ("data", "model"), "x"))
-      ('data', 'model', 'x')
-    """
-    named: list[str] = []
-    for part in spec:
-        if isinstance(part, str):
-            named.append(part)
-        elif isinstance(part, tuple):
-            named.extend(part)
-    return tuple(named)
 
 
 def is_box(x: Any) -> bool:

@@ -49,7 +49,13 @@ def _scatter(low: np.dtype | None) -> ReduceFn:
         values = list(bucket.gradients)
         if low is not None:
             values = [v.astype(low) for v in values]
-        shares = mean_reduce_scatter(values, dims, bucket.axis_name, flat=bucket.layout == "flat")
+        shares = mean_reduce_scatter(
+            values,
+            dims,
+            bucket.axis_name,
+            flat=bucket.layout == "flat",
+            layout=bucket.meta.layout,
+        )
         return [s.astype(bucket.dtype) for s in shares], state
 
     return reduce_scatter

@@ -12,17 +12,21 @@ buffer. fdp's functional form returns the reduced values and the new state:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from fdp import _compat
 from fdp.bucketing import Bucket, BucketPlan, pack, unpack
+from fdp.bucketing._plan import WHOLE
 from fdp.collectives import axis_size, sum_over
 from fdp.collectives._axis import AxisName
+from fdp.collectives._blocks import on_blocks
 
 HookState = Any
 Layout = Literal["leaves", "flat"]
@@ -305,6 +309,7 @@ def mean_reduce_scatter(
     axis_name: AxisName,
     *,
     flat: bool = False,
+    layout: P = WHOLE,
 ) -> list[jax.Array]:
     """Each array's mean over the data axis, this device's share along ``dims``.
 
@@ -313,7 +318,9 @@ def mean_reduce_scatter(
     arrays travel as one buffer, laid out shard-major (FSDP's copy-in): each is
     viewed as ``[N, share]`` along its dimension and the views are concatenated,
     so one reduce-scatter of the buffer leaves each device exactly its share of
-    every array.
+    every array. ``layout``: the arrays' split over the mesh's model axes (a
+    bucket's :attr:`~fdp.bucketing.Bucket.layout`); each is then scattered on
+    its block (:func:`fdp.collectives._blocks.on_blocks`), never packed.
     """
     n = axis_size(axis_name)
     out: list[Any] = [None] * len(values)
@@ -324,9 +331,12 @@ def mean_reduce_scatter(
     if not split:
         return out
     parts = [(values[i] / jnp.asarray(n, values[i].dtype), d) for i, d in split]
-    if not flat:
+    if not flat or len(layout):
         for (i, _), (v, d) in zip(split, parts, strict=True):
-            out[i] = jax.lax.psum_scatter(v, axis_name, scatter_dimension=d, tiled=True)
+            scatter = functools.partial(
+                jax.lax.psum_scatter, axis_name=axis_name, scatter_dimension=d, tiled=True
+            )
+            out[i] = on_blocks(scatter, layout)(v)
         return out
     rows = [jnp.moveaxis(v, d, 0).reshape(n, -1) for v, d in parts]
     mine = jax.lax.psum_scatter(

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
 from fdp import _compat, backends
 from fdp.collectives._axis import AxisName
@@ -297,6 +297,8 @@ class StepConfig:
                 f"model_averager (post-local SGD) averages whole per-device parameters, "
                 f"which zero_stage={stage} does not keep. Use zero_stage=0 with it."
             )
+        if self.mesh is not None:
+            check_zero_axes(self.mesh, self.axis_name, stage)
         # Under HSDP the hook all-reduces shares between hosts: any hook will do.
         if stage >= 2 and reduce_scatter_of(hook) is None and not self.hybrid:
             raise ValueError(
@@ -327,6 +329,8 @@ class StepConfig:
         buckets gain nothing and their packing costs a copy.
         """
         mesh = default_mesh(self.axis_name) if self.mesh is None else self.mesh
+        if self.zero_stage:
+            check_zero_axes(mesh, self.axis_name, self.zero_stage)
         layout = self.layout
         platform = mesh.devices.flat[0].platform
         if layout == "auto":
@@ -662,6 +666,30 @@ def _describe_into(out: dict[str, Any], name: str, value: Any) -> None:
         out[name] = value
     else:
         out[name] = repr(value)
+
+
+def check_zero_axes(mesh: Mesh, axis_name: AxisName, stage: int) -> None:
+    """Refuses ZeRO where a model axis of ``mesh`` is ``Explicit``, naming the fix.
+
+    Inside the step a value split over an Explicit axis carries that split in
+    its type, and JAX (0.10 to 0.12) cannot reduce-scatter or flatten such a
+    value over the data axis (``psum_scatter``'s type rule fails on it). On
+    ``Auto`` model axes ZeRO composes with the model split; stage 0 works on both.
+    """
+    data = set(axis_names_of(axis_name))
+    explicit = [
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if name not in data and mesh.shape[name] > 1 and kind == AxisType.Explicit
+    ]
+    if explicit:
+        raise ValueError(
+            f"zero_stage={stage} on a mesh whose model axes {explicit} are Explicit: "
+            "inside the step JAX cannot reduce-scatter a value whose type splits it over "
+            "an Explicit axis. Make those axes Auto (jax.make_mesh(..., axis_types=("
+            "AxisType.Auto, ...))) for ZeRO with tensor parallelism, or use zero_stage=0, "
+            "which works on Explicit axes too."
+        )
 
 
 def _own_device(mesh: Mesh) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 import jax.extend.core as jex
 
 from fdp import _compat as compat
-from fdp.data._model_axes import spec_axes
+from fdp.collectives._blocks import spec_axes
 
 
 def _equations(jaxpr: Any) -> Iterator[Any]:

@@ -190,7 +190,9 @@ def reduce_step(
     shard, k = config.shard_axis, config.num_shards
     # A loss with nothing to fold (its dense layers in a scan) is left alone.
     objective = fold_leading_dims(objective) if plan.folds and plan.folds.folded else objective
-    per_use = config.gathers_per_use
+    # With model axes, stage 3 gathers each bucket once per step, on each device's model
+    # block (fdp.collectives._blocks): the per-use replay does not run on blocks yet.
+    per_use = config.gathers_per_use and not plan.buckets.leaf_layouts
     dims = bucket_shard_dims(plan.buckets, k)
     low, master = config.sharding.param_dtype, params  # mixed precision: fdp.step._mixed
     if per_use:  # gathered inside the forward and again in the backward pass

@@ -150,7 +150,7 @@ def reduce_hybrid(
             else:  # step 1: the host's mean, this device's share
                 flat = layout == "flat"
                 shares = mean_reduce_scatter(
-                    values, [dims[i] for i in split], inner_axis, flat=flat
+                    values, [dims[i] for i in split], inner_axis, flat=flat, layout=bucket.layout
                 )
             shares, state = _across_hosts(
                 outer, state, shares, hop, is_last=bucket.index == last, outer_axis=outer_axis
@@ -197,7 +197,9 @@ def hybrid(outer_hook: CommHook, *, inner_size: int) -> CommHook:
             whole, mean_all_reduce([out[j] for j in whole], bucket.axis_name), strict=True
         ):
             out[j] = x
-        shares = mean_reduce_scatter([out[j] for j in split], [dims[j] for j in split], inner_axis)
+        shares = mean_reduce_scatter(
+            [out[j] for j in split], [dims[j] for j in split], inner_axis, layout=bucket.layout
+        )
         hop = share_bucket(bucket.meta, k, sum(s.size for s in shares))
         shares, state = _across_hosts(
             outer, state, shares, hop, is_last=bucket.is_last, outer_axis=outer_axis

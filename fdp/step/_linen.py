@@ -233,7 +233,9 @@ class DataParallelStep(Step):
         layout the step gives each leaf (:meth:`abstract_init`), so each device
         computes and holds only its share of the sharded leaves (the optimizer
         state from stage 1, the parameters too at stage 3). The result equals
-        ``step.init(make_state(*args))`` exactly.
+        ``step.init(make_state(*args))`` exactly (on a mesh with model axes, as
+        exactly as ``jax.jit(make_state, out_shardings=...)`` equals
+        ``make_state``: jax 0.12 can differ by an ulp there).
 
         Args:
           make_state: builds the ``TrainState`` from ``args``, for example

@@ -688,10 +688,12 @@ def finish_gradients(
     for bucket in plan.buckets:
         rest = [i for i in bucket.leaf_indices if i not in done]
         with jax.named_scope(f"fdp_bucket_{bucket.index}"):
-            # A bucket split over a model axis is reduced where it lies, never packed.
-            packed = flat and not len(bucket.layout)
             reduced = mean_reduce_scatter(
-                [leaves[i] for i in rest], [dims[i] for i in rest], axis_name, flat=packed
+                [leaves[i] for i in rest],
+                [dims[i] for i in rest],
+                axis_name,
+                flat=flat,
+                layout=bucket.layout,
             )
             for i, x in zip(rest, reduced, strict=True):
                 out[i] = x

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from fdp.bucketing import BucketPlan
 from fdp.bucketing._plan import WHOLE
 from fdp.collectives._axis import AxisName
+from fdp.collectives._blocks import on_blocks
 from fdp.data._abstract import is_abstract, placed_like
 from fdp.data._model_axes import drop_axes, model_specs
 from fdp.data._placement import axis_names_of, check_axis, constrain_to
@@ -180,12 +181,26 @@ def bucket_shard_dims(plan: BucketPlan, n: int) -> tuple[int | None, ...]:
     )
 
 
-def gather(leaves: Sequence[jax.Array], dims: Sequence[int | None], axis_name: AxisName) -> list:
-    """Inside ``shard_map``: whole arrays from this device's shards (stage 3)."""
+def gather(
+    leaves: Sequence[jax.Array],
+    dims: Sequence[int | None],
+    axis_name: AxisName,
+    layouts: Sequence[P] = (),
+) -> list:
+    """Inside ``shard_map``: whole arrays from this device's shards (stage 3).
+
+    ``layouts``: per leaf, its split over the model axes; such a leaf is
+    gathered on its block (:func:`fdp.collectives._blocks.on_blocks`).
+    """
+    laid = layouts or (WHOLE,) * len(leaves)
     return [
-        x if d is None else jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
-        for x, d in zip(leaves, dims, strict=True)
+        x if d is None else on_blocks(functools.partial(_gather_along, d, axis_name), lay)(x)
+        for x, d, lay in zip(leaves, dims, laid, strict=True)
     ]
+
+
+def _gather_along(dim: int, axis_name: AxisName, x: jax.Array) -> jax.Array:
+    return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
 
 
 def gather_bucket(
@@ -233,15 +248,26 @@ def gather_params(params: Any, plan: BucketPlan, axis_name: AxisName, n: int) ->
     groups = [tuple(reversed(b.leaf_indices)) for b in reversed(plan.buckets)]
     bucketed = {i for g in groups for i in g}
     names = [f"fdp_bucket_{b.index}" for b in reversed(plan.buckets)]
-    for name, group in zip(names, groups, strict=True):
+    layouts = [b.layout for b in reversed(plan.buckets)]
+    for name, group, layout in zip(names, groups, layouts, strict=True):
+        shards, shard_dims = [leaves[i] for i in group], [dims[i] for i in group]
         with jax.named_scope(name):
-            whole = gather_bucket(
-                [leaves[i] for i in group], [dims[i] for i in group], axis_name, n
-            )
+            # A bucket split over a model axis is gathered block by block, never packed
+            # (packing would gather it over the model axis first).
+            if len(layout):
+                whole = gather(shards, shard_dims, axis_name, [layout] * len(group))
+            else:
+                whole = gather_bucket(shards, shard_dims, axis_name, n)
         for i, x in zip(group, whole, strict=True):
             out[i] = x
     rest = [i for i in range(len(leaves)) if i not in bucketed]
-    whole = gather([leaves[i] for i in rest], [dims[i] for i in rest], axis_name)
+    laid = plan.leaf_layouts
+    whole = gather(
+        [leaves[i] for i in rest],
+        [dims[i] for i in rest],
+        axis_name,
+        [laid[i] for i in rest] if laid else (),
+    )
     for i, x in zip(rest, whole, strict=True):
         out[i] = x
     return jax.tree.unflatten(treedef, out)

@@ -415,6 +415,48 @@ def test_init_sharded_builds_stage3_shares_of_a_declared_split_directly():
     kernel = nn.unbox(built.params)["Dense_0"]["kernel"]
     assert kernel.sharding.spec == P("data", "model"), kernel.sharding
     assert kernel.addressable_shards[0].data.size == kernel.size // 8
-    chex.assert_trees_all_equal(leaf_values(built), leaf_values(want))
+    # Bit for bit on jax 0.10.2. On 0.12.0.1 one element of the (16, 4) kernel, split
+    # P('model', 'data'), is one ulp apart: plain jax.jit(make_state, out_shardings=the
+    # same shardings) differs from the eager init in the same element, by the same ulp.
+    chex.assert_trees_all_close(leaf_values(built), leaf_values(want), rtol=2e-7, atol=0)
     for got, ref in zip(jax.tree.leaves(built), jax.tree.leaves(want), strict=True):
         assert got.sharding == ref.sharding
+
+
+def test_zero_on_explicit_model_axes_is_refused_naming_the_fix():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match=r"model axes \['model'\] are Explicit.*Auto"):
+        fdp.train_step(mse(Megatron().apply), mesh=mesh, sharding=fdp.Sharding(zero_stage=3))
+    with jax.set_mesh(mesh):  # the context's mesh, resolved at the first call
+        step = fdp.train_step(mse(Megatron().apply), sharding=fdp.Sharding(zero_stage=1))
+        state = fdp.TrainState.create(apply_fn=None, params=params_of(), tx=optax.sgd(0.1))
+        with pytest.raises(ValueError, match=r"model axes \['model'\] are Explicit"):
+            step.init(state)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_no_parameter_or_gradient_travels_over_the_model_axis(stage):
+    # Packing a model-split leaf into a flat buffer would first gather it over 'model'.
+    # The compiled step's only collectives over 'model' are the model's own: Megatron's
+    # MLP all-reduces its row-parallel output, and the loss's gradient flows back.
+    from fdp.observe._hlo import collective_stats
+
+    mesh = mesh_of((4, 2))
+    state = fdp.TrainState.create(
+        apply_fn=None, params=placed(params_of(), mesh), tx=optax.adam(1e-2)
+    )
+    step = fdp.train_step(
+        mse(Megatron().apply),
+        mesh=mesh,
+        reduction=fdp.Reduction(layout="flat", bucket_cap_mb=100),
+        sharding=fdp.Sharding(zero_stage=stage),
+    )
+    state = step.init(state)
+    compiled = step.lower(state, fdp.shard_batch(batches()[0], mesh)).compile()
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    model_groups = {tuple(sorted(row)) for row in ids.tolist()}  # devices along 'model'
+    over_model = [
+        c for c in collective_stats(compiled).ops if set(c.groups) <= model_groups and c.groups
+    ]
+    assert over_model, "the model's own all-reduce over 'model' is in the program"
+    assert {c.kind for c in over_model} == {"all-reduce"}, over_model
