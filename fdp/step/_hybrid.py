@@ -189,7 +189,7 @@ def hybrid(outer_hook: CommHook, *, inner_size: int) -> CommHook:
     def reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
         outer_axis, inner_axis = split_axis(bucket.axis_name, f"hook {name!r}")
         k = axis_size(inner_axis)
-        dims = [shard_dim(shape, k, taken_dims(bucket.layout)) for shape in bucket.shapes]
+        dims = [shard_dim(shape, k, taken_dims(bucket.meta.layout)) for shape in bucket.shapes]
         out: list[Any] = list(bucket.gradients)
         split = [j for j, d in enumerate(dims) if d is not None]
         whole = [j for j, d in enumerate(dims) if d is None]
@@ -198,7 +198,7 @@ def hybrid(outer_hook: CommHook, *, inner_size: int) -> CommHook:
         ):
             out[j] = x
         shares = mean_reduce_scatter(
-            [out[j] for j in split], [dims[j] for j in split], inner_axis, layout=bucket.layout
+            [out[j] for j in split], [dims[j] for j in split], inner_axis, layout=bucket.meta.layout
         )
         hop = share_bucket(bucket.meta, k, sum(s.size for s in shares))
         shares, state = _across_hosts(
