@@ -37,6 +37,10 @@ def test_command_line_passes_script_arguments_through():
     assert cfg.script_args == ("--lr", "0.1", "--nproc-per-node", "9")
     assert parse("--", "train.py", "-x").script_args == ("-x",)
     assert parse("-m", "pkg.train", "a").module
+    # Verbatim, as torchrun: never read as abbreviations of the launcher's options
+    # (--n, --h), nor a "--" of the script's dropped.
+    cfg = parse("--nproc", "2", "train.py", "--n", "3", "--h", "--", "-m")
+    assert cfg.script_args == ("--n", "3", "--h", "--", "-m") and cfg.nproc_per_node == 2
 
 
 @pytest.mark.parametrize(
@@ -324,6 +328,15 @@ def test_fdp_launch_subcommand_and_busy_port(tmp_path, marker):
     out = finish(proc, 60, started)
     assert out.returncode == 0, out.output
     assert {r["env"]["MASTER_PORT"] for r in records(tmp_path).values()} == {str(port)}
+
+
+def test_the_script_gets_every_argument_after_its_name_unchanged(tmp_path, marker):
+    """`fdp launch --nproc-per-node 2 train.py --n 3`: --n is the script's, not ambiguous."""
+    script_args = ["ok", str(tmp_path), "--n", "3", "--h", "--version", "--", "--nproc"]
+    argv = ["-m", "fdp", "launch", "--nproc-per-node", "2", WORKERS / "probe.py", *script_args]
+    out = finish(start(argv, marker), 60, time.monotonic())
+    assert out.returncode == 0, out.output
+    assert [rec["argv"][1:] for rec in records(tmp_path).values()] == [script_args] * 2
 
 
 # JAX workers, joined by fdp.init: the failure of one must not leave the other hanging.
