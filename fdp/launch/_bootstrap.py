@@ -21,7 +21,9 @@ the script configures them. It
 - on an uncaught exception, prints the traceback, writes it to
   ``FDP_ERROR_FILE`` for the agent's failure summary (torchrun's error file),
   and exits at once with status 1, skipping ``atexit``: JAX's shutdown barrier
-  would otherwise hold a failed worker for minutes, waiting for its peers.
+  would otherwise hold a failed worker for minutes, waiting for its peers;
+- whenever it exits at once (``os._exit``), first removes process 0's
+  coordinator claim, which ``fdp.init`` would remove at exit (``atexit``).
 """
 
 from __future__ import annotations
@@ -118,7 +120,20 @@ def _report(exc: BaseException, exit_code: int, *, echo: bool = True) -> None:
             sys.stderr.write(f"fdp launch: could not write the error file {path}: {e}\n")
 
 
+def _release_claim() -> None:
+    """Removes process 0's coordinator claim (if the script ran ``fdp.init``).
+
+    ``fdp.init`` removes it at exit (``atexit``), which ``os._exit`` skips.
+    """
+    module = sys.modules.get("fdp.runtime._claim")
+    release = getattr(module, "release", None)
+    if release is not None:
+        with contextlib.suppress(Exception):
+            release()
+
+
 def _exit_now(code: int) -> None:
+    _release_claim()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()

@@ -356,6 +356,23 @@ def test_a_jax_worker_waiting_at_a_barrier_is_stopped_when_its_peer_dies(tmp_pat
     assert failure_seconds(out, tmp_path) < FAILURE_BOUND
 
 
+@pytest.mark.parametrize(("mode", "code"), [("raise0", 1), ("exit0", 3)])
+def test_rank_0_leaves_no_coordinator_claim_when_it_fails(tmp_path, marker, mode, code):
+    """The bootstrap's os._exit skipped fdp.init's release: the claim file stayed."""
+    out = launch(
+        ["--nproc-per-node", "2"],
+        "failing.py",
+        [mode, tmp_path / "stamp"],
+        marker,
+        timeout=120,
+        TMPDIR=str(tmp_path),
+    )
+    assert out.returncode == 1, out.output
+    assert "root cause: rank 0 (local rank 0" in out.stderr
+    assert f"ended with exit code {code}" in out.stderr
+    assert list(tmp_path.glob("fdp-coordinator-*.json")) == []
+
+
 def test_a_straggler_is_named_by_monitored_barrier(tmp_path, marker):
     """Rank 1 never arrives; rank 0's monitored_barrier(timeout=3) names it, and the launch ends."""
     stamp = tmp_path / "failed_1"
