@@ -33,6 +33,8 @@ KEY = "fdp_nonfinite"
 """The metric the guarded step returns (removed before the metrics reach the caller)."""
 
 _LOSS, _GRADS = 1, 2  # bits of a device's code
+BLAMES_ATTR = "fdp_blames_process"
+"""The attribute of an error naming the process at fault (fdp.launch._bootstrap.BLAMES_ATTR)."""
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -111,12 +113,16 @@ def check(metrics: dict[str, Any], *, kind: str, call: int, config: Any) -> dict
         )
     else:
         cause = "Every device's values were non-finite: the state, a hyper-parameter or the model."
-    raise FloatingPointError(
+    error = FloatingPointError(
         f"{kind}: non-finite values (NaN or inf) at call {call} of this step, before the "
         f"gradient all-reduce, first on process {first}: " + "; ".join(parts) + f". {cause} "
         f"({ENV_VAR}=1 checks every step; the state this step returned holds the "
         "non-finite values.)"
     )
+    # Every process raises this error; fdp launch's summary blames the process it names,
+    # not the first to exit (fdp/launch/_bootstrap.py records the attribute).
+    setattr(error, BLAMES_ATTR, first)
+    raise error
 
 
 def hyperparameters(args: Mapping[str, Any]) -> dict[str, float]:

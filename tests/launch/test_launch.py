@@ -5,6 +5,7 @@ well under a second; the last ones run JAX workers joined by fdp.init. Every tes
 checks (through the `marker` fixture) that no process it started is left alive.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -127,6 +128,23 @@ def test_the_root_cause_is_the_killed_worker_not_its_peers_lost_connection():
     # A traceback of its own still comes before a bare exit code of a peer.
     boom = exit_of(0, 1, error={"type": "ValueError", "message": "bad batch"})
     assert _summary.root_cause([boom, exit_of(1, 1)]) is boom
+
+
+def test_the_root_cause_is_the_rank_a_shared_error_names():
+    """Every rank raised FDP_CHECK_FINITE's error, "first on process 1": blame rank 1."""
+
+    def nan_error(rank, order, stopped=False):
+        error = {"type": "FloatingPointError", "message": "... first on process 1", "blames": 1}
+        return dataclasses.replace(exit_of(rank, 1, error=error), order=order, stopped=stopped)
+
+    first, named = nan_error(0, order=2), nan_error(1, order=3, stopped=True)
+    assert _summary.root_cause([first, named]) is named
+    assert "root cause: rank 1 (local rank 1" in _summary.format_failure(
+        [first, named], attempt=0, attempts=1, run_id="r"
+    )
+    # Only the same error counts: a rank that failed otherwise is not blamed by another's.
+    other = exit_of(1, 1, error={"type": "ValueError", "message": "bad batch"})
+    assert _summary.root_cause([dataclasses.replace(first, order=1), other]).rank == 0
 
 
 def test_workers_get_torchrun_variables_and_prefixed_output(tmp_path, marker):
