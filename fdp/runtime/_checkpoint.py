@@ -218,7 +218,7 @@ class CheckpointManager:
         if step in self._retired:
             # Orbax still lists it (process 0 deleted it behind Orbax's back): read
             # the directory again once process 0 is past its deletions.
-            barrier()
+            barrier(purpose="CheckpointManager.save, after process 0 deleted old steps")
             self._manager.reload()
             self._retired.clear()
         for s in sorted(in_the_way):
@@ -424,7 +424,7 @@ class CheckpointManager:
             _grain.check_iterator(data_iterator)
         self._finish_writes()
         verdict = self._choose(step) if jax.process_index() == 0 else None
-        verdict = broadcast_object(verdict)
+        verdict = broadcast_object(verdict, purpose="CheckpointManager.restore's choice of step")
         if "error" in verdict:
             if verdict["error"] == "corrupt" and step is None:
                 self._move_aside([s for s, _ in verdict["bad"]])
@@ -455,7 +455,7 @@ class CheckpointManager:
         if jax.process_index() == 0:
             for s in steps:
                 _ckpt_files.move_aside(self.step_dir(s))
-        barrier()
+        barrier(purpose="CheckpointManager.restore, after moving damaged steps aside")
         self._manager.reload()
         self._retired.clear()
 
