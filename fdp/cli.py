@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage=launch_cli.USAGE,
         description=launch_cli.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        script_args=True,  # what follows the script is the script's (launch_cli.Parser)
     )
     launch_cli.add_arguments(launch)
     launch.set_defaults(run=lambda args: launch_cli.run(args, launch), parser=launch)

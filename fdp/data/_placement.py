@@ -374,7 +374,7 @@ def _check_rows_agree(rows: int, mesh: Mesh, axis_name: AxisName) -> None:
     key = (mesh, axis_name, rows)
     if key in _AGREED_ROWS:
         return
-    counts = all_gather_object(rows)
+    counts = all_gather_object(rows, purpose="fdp.shard_batch's row count check")
     if len(set(counts)) > 1:
         each = ", ".join(f"process {i}: {n}" for i, n in enumerate(counts))
         raise ValueError(

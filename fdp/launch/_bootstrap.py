@@ -19,9 +19,12 @@ the script configures them. It
   returned True at once, as its checkpoint is saved and JAX's teardown would
   spend seconds of the agent's grace period;
 - on an uncaught exception, prints the traceback, writes it to
-  ``FDP_ERROR_FILE`` for the agent's failure summary (torchrun's error file),
+  ``FDP_ERROR_FILE`` for the agent's failure summary (torchrun's error file;
+  with the process an fdp error names as the one at fault, :data:`BLAMES_ATTR`),
   and exits at once with status 1, skipping ``atexit``: JAX's shutdown barrier
-  would otherwise hold a failed worker for minutes, waiting for its peers.
+  would otherwise hold a failed worker for minutes, waiting for its peers;
+- whenever it exits at once (``os._exit``), first removes process 0's
+  coordinator claim, which ``fdp.init`` would remove at exit (``atexit``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ import traceback
 from types import TracebackType
 
 _PR_SET_PDEATHSIG = 1
+# The attribute by which an fdp error that every process raises names the process at
+# fault (FDP_CHECK_FINITE's FloatingPointError: fdp.step._finite.BLAMES_ATTR); the
+# agent's summary blames that rank. Spelled out here: this file imports no fdp.
+BLAMES_ATTR = "fdp_blames_process"
 
 # A real-time signal, so that no handler of the script's (SIGUSR1...) is taken or run.
 STACK_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
@@ -109,6 +116,9 @@ def _report(exc: BaseException, exit_code: int, *, echo: bool = True) -> None:
             "traceback": text,
             "timestamp": time.time(),
         }
+        blames = getattr(exc, BLAMES_ATTR, None)
+        if isinstance(blames, int):
+            record["blames"] = blames
         try:
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:
@@ -118,7 +128,20 @@ def _report(exc: BaseException, exit_code: int, *, echo: bool = True) -> None:
             sys.stderr.write(f"fdp launch: could not write the error file {path}: {e}\n")
 
 
+def _release_claim() -> None:
+    """Removes process 0's coordinator claim (if the script ran ``fdp.init``).
+
+    ``fdp.init`` removes it at exit (``atexit``), which ``os._exit`` skips.
+    """
+    module = sys.modules.get("fdp.runtime._claim")
+    release = getattr(module, "release", None)
+    if release is not None:
+        with contextlib.suppress(Exception):
+            release()
+
+
 def _exit_now(code: int) -> None:
+    _release_claim()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from fdp.launch._agent import launch
@@ -26,7 +27,16 @@ class Parser(argparse.ArgumentParser):
 
     ``--nproc`` is a prefix of ``--nproc-per-node`` and ``--nproc_per_node``,
     two names of one option: argparse calls it ambiguous; here it is that option.
+
+    With ``script_args=True`` (``fdp launch``'s parser), the first positional argument
+    is the script and everything after it is the script's, unchanged, as torchrun passes
+    it: argparse never reads it, so ``train.py --n 3`` is not taken for an abbreviation
+    of a launcher option. It is set as the namespace's ``script_args``.
     """
+
+    def __init__(self, *args: Any, script_args: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.script_args = script_args
 
     def _get_option_tuples(self, option_string: str) -> list:  # type: ignore[override]
         by_action: dict[int, Any] = {}
@@ -34,11 +44,52 @@ class Parser(argparse.ArgumentParser):
             by_action.setdefault(id(option[0]), option)
         return list(by_action.values())
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
+        if not self.script_args:
+            return super().parse_known_args(args, namespace)
+        argv = list(sys.argv[1:] if args is None else args)
+        end = self._script_end(argv)
+        parsed, extras = super().parse_known_args(argv[:end], namespace)
+        parsed.script_args = tuple(argv[end:])
+        return parsed, extras
+
+    def _script_end(self, argv: list[str]) -> int:
+        """The index just after the script in ``argv`` (its length when there is none)."""
+        i = 0
+        while i < len(argv):
+            token = argv[i]
+            if token == "--":  # what follows is the script, even if it starts with "-"
+                return min(i + 2, len(argv))
+            if not token.startswith("-") or token == "-":
+                return i + 1
+            i += 2 if self._takes_value(token) else 1
+        return len(argv)
+
+    def _takes_value(self, token: str) -> bool:
+        """Whether option ``token`` takes the next argument as its value.
+
+        ``token`` is a launcher option or its abbreviation; an unknown or ambiguous one
+        takes none (argparse names it when it parses the options).
+        """
+        if "=" in token:
+            return False
+        known = self._option_string_actions
+        if token in known:
+            actions = {id(known[token]): known[token]}
+        elif token.startswith("--") and self.allow_abbrev:
+            actions = {id(a): a for name, a in known.items() if name.startswith(token)}
+        else:
+            actions = {}
+        return len(actions) == 1 and next(iter(actions.values())).nargs != 0
+
 
 def build_parser(prog: str = "fdp launch") -> argparse.ArgumentParser:
     """The argument parser of ``fdp launch``."""
     parser = Parser(
         prog=prog,
+        script_args=True,
         usage=USAGE,
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -132,7 +132,7 @@ def parse_ranks(text: str) -> tuple[int, ...] | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds ``fdp launch``'s options and the script with its arguments to ``parser``.
+    """Adds ``fdp launch``'s options and the script to ``parser``.
 
     Each option has one name with dashes and, as torchrun, one with underscores;
     the help text shows the first.
@@ -244,11 +244,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the script as a module (python -m)"
     )
-    # Optional here so that a missing script is reported by name (from_namespace),
-    # not as "required: script, script_args": the script's arguments are optional.
-    parser.add_argument("script", nargs="?", help="the training script (or module with -m)")
+    # Optional here so that a missing script is reported by name (from_namespace).
+    # What follows the script is not parsed here: the parser (fdp.launch._cli.Parser
+    # with script_args=True) hands it to the script unchanged, as the namespace's
+    # script_args.
     parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, help="the script's arguments (optional)"
+        "script",
+        nargs="?",
+        help="the training script (or module with -m); every argument after it is the "
+        "script's, passed to it unchanged",
     )
 
 
@@ -263,9 +267,6 @@ def from_namespace(args: argparse.Namespace) -> LaunchConfig:
             "a training script is required: fdp launch [options] script.py [script args], "
             "or -m package.module [args]."
         )
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
     if args.nnodes > 1 and args.master_addr is None:
         raise ValueError(
             f"--nnodes {args.nnodes} needs --master-addr: the address of node 0, which every "
@@ -273,7 +274,7 @@ def from_namespace(args: argparse.Namespace) -> LaunchConfig:
         )
     fields = dict(
         script=args.script,
-        script_args=tuple(script_args),
+        script_args=tuple(getattr(args, "script_args", ())),
         module=args.module,
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,

@@ -98,14 +98,29 @@ def root_cause(exits: list[WorkerExit]) -> WorkerExit | None:
     earliest failure seen; among those seen in the same poll round, one
     that did not fail because a peer died (a worker killed by a signal comes
     before its peer's lost-connection traceback), then one with a Python
-    traceback, then the lowest rank.
+    traceback, then the lowest rank. When that failure is an error every
+    worker raises naming the rank at fault (``FDP_CHECK_FINITE``'s "first on
+    process 1"), the named rank is blamed if it raised the same error, however
+    late or after being stopped.
     """
     failed = [e for e in exits if e.failed]
     if not failed:
         return None
-    return min(
+    first = min(
         failed, key=lambda e: (e.hang is None, e.order, e.secondary, e.error is None, e.rank)
     )
+    return _named_by(first, exits) or first
+
+
+def _named_by(cause: WorkerExit, exits: list[WorkerExit]) -> WorkerExit | None:
+    """The worker ``cause``'s error names as the one at fault, if it raised that same error."""
+    if cause.hang is not None or not cause.error:
+        return None
+    named = (cause.error.get("blames"), cause.error.get("type"))
+    for e in exits:
+        if e.error and e.rank == named[0] and (e.error.get("blames"), e.error.get("type")) == named:
+            return e
+    return None
 
 
 def format_failure(exits: list[WorkerExit], *, attempt: int, attempts: int, run_id: str) -> str:

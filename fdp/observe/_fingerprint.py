@@ -154,7 +154,9 @@ def check_across_processes(fingerprint: dict[str, Any], *, timeout: float = CHEC
     """
     mine = digest(fingerprint)
     try:
-        gathered = gather_if_different(fingerprint, timeout=timeout)
+        gathered = gather_if_different(
+            fingerprint, timeout=timeout, purpose="FDP_DEBUG=DETAIL's comparison of the step"
+        )
     except TimeoutError as e:
         raise TimeoutError(
             f"FDP_DEBUG=DETAIL compares every process's step before the first one, but {e} "
@@ -186,7 +188,8 @@ def check_settings_across_processes(
       TimeoutError: some processes did not reach their first step within ``timeout``.
     """
     try:
-        gathered = gather_if_different(fingerprint, timeout=timeout)
+        purpose = f"{fingerprint.get('step', 'the step')}'s settings check"
+        gathered = gather_if_different(fingerprint, timeout=timeout, purpose=purpose)
     except TimeoutError as e:
         raise TimeoutError(
             f"{fingerprint.get('step', 'the step')}: every process compares the step's settings "

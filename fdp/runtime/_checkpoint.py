@@ -218,7 +218,7 @@ class CheckpointManager:
         if step in self._retired:
             # Orbax still lists it (process 0 deleted it behind Orbax's back): read
             # the directory again once process 0 is past its deletions.
-            barrier()
+            barrier(purpose="CheckpointManager.save, after process 0 deleted old steps")
             self._manager.reload()
             self._retired.clear()
         for s in sorted(in_the_way):
@@ -245,6 +245,7 @@ class CheckpointManager:
         except BaseException:
             # Nothing was deleted: the older steps stay listed (and restorable).
             self._retiring = []
+            self._forget_unwritten()
             raise
 
     def _complete(self, step: int, retiring: list[int]) -> None:
@@ -271,17 +272,42 @@ class CheckpointManager:
             self._writer_error = e
 
     def _finish_writes(self) -> None:
-        """Waits for a background save and its checksums; raises what went wrong in it."""
+        """Waits for a background save and its checksums; raises what went wrong in it.
+
+        A failure is raised once: the writer's error is taken before Orbax is
+        waited for again (which may raise the same failure a second time).
+        """
         if self._writer is not None:
             self._writer.join()
             self._writer = None
-        self._manager.wait_until_finished()
         error, self._writer_error = self._writer_error, None
+        try:
+            self._manager.wait_until_finished()
+        except BaseException as e:
+            error = error or e
         if error is not None:
             self._retiring = []  # not deleted: the new step is not complete
+            self._forget_unwritten()
             raise RuntimeError(f"a background checkpoint save failed: {error}") from error
         self._retired.update(self._retiring)
         self._retiring = []
+
+    def _forget_unwritten(self, steps: list[int] | None = None) -> None:
+        """Clears the pending mark if it names a step Orbax never published (process 0).
+
+        A save that failed (a full disk) or was killed before Orbax published its
+        step leaves nothing to finish: the mark would name a step that does not
+        exist. A published step keeps its mark, so that a restore checksums it
+        (:meth:`_finish_cut_off`).
+
+        Args:
+          steps: the listed steps, if the caller has them.
+        """
+        if jax.process_index() != 0:
+            return
+        pending = _ckpt_files.pending_step(self.directory)
+        if pending is not None and pending not in (self._steps() if steps is None else steps):
+            _ckpt_files.clear_pending(self.directory, pending)
 
     def _finish_cut_off(self, step: int, older: list[int]) -> bool:
         """Checksums ``step`` now if its save was cut off between Orbax and fdp.
@@ -307,6 +333,7 @@ class CheckpointManager:
     def _choose(self, step: int | None) -> dict[str, Any]:
         """Process 0's verdict: the step to restore, the damaged newer ones, or an error."""
         steps = sorted(self._steps(), reverse=True)
+        self._forget_unwritten(steps)
         if step is not None:
             if step not in steps:
                 return {"error": "missing", "step": step, "steps": sorted(steps)}
@@ -397,7 +424,7 @@ class CheckpointManager:
             _grain.check_iterator(data_iterator)
         self._finish_writes()
         verdict = self._choose(step) if jax.process_index() == 0 else None
-        verdict = broadcast_object(verdict)
+        verdict = broadcast_object(verdict, purpose="CheckpointManager.restore's choice of step")
         if "error" in verdict:
             if verdict["error"] == "corrupt" and step is None:
                 self._move_aside([s for s, _ in verdict["bad"]])
@@ -428,7 +455,7 @@ class CheckpointManager:
         if jax.process_index() == 0:
             for s in steps:
                 _ckpt_files.move_aside(self.step_dir(s))
-        barrier()
+        barrier(purpose="CheckpointManager.restore, after moving damaged steps aside")
         self._manager.reload()
         self._retired.clear()
 

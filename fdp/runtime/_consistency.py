@@ -40,18 +40,19 @@ def leaf_signatures(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
     ]
 
 
-def gather_if_different(value: Any, *, timeout: float) -> list[Any] | None:
+def gather_if_different(value: Any, *, timeout: float, purpose: str) -> list[Any] | None:
     """Every process's ``value`` if they differ, else None (one process: None).
 
     The processes exchange a sha256 of ``repr(value)`` first, and the values
-    themselves only when the hashes differ, so agreeing is cheap.
+    themselves only when the hashes differ, so agreeing is cheap. ``purpose``
+    names the exchange to a process at another host collective.
     """
     if not jax.distributed.is_initialized() or jax.process_count() == 1:
         return None
     digest = hashlib.sha256(repr(value).encode()).hexdigest()
-    if len(set(_host.all_gather_object(digest, timeout=timeout))) == 1:
+    if len(set(_host.all_gather_object(digest, timeout=timeout, purpose=purpose))) == 1:
         return None
-    return _host.all_gather_object(value, timeout=timeout)
+    return _host.all_gather_object(value, timeout=timeout, purpose=purpose)
 
 
 def differences(
@@ -121,7 +122,8 @@ def check_consistent(
       >>> import fdp
       >>> fdp.check_consistent({"w": jnp.zeros((4, 2))})  # one process: nothing to compare
     """
-    gathered = gather_if_different(leaf_signatures(tree), timeout=timeout)
+    purpose = f"the check that the {what} agrees"
+    gathered = gather_if_different(leaf_signatures(tree), timeout=timeout, purpose=purpose)
     if gathered is None:
         return
     per_process = [{key: (shape, dtype) for key, shape, dtype in s} for s in gathered]

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,6 +34,8 @@ KEY = "fdp_nonfinite"
 """The metric the guarded step returns (removed before the metrics reach the caller)."""
 
 _LOSS, _GRADS = 1, 2  # bits of a device's code
+BLAMES_ATTR = "fdp_blames_process"
+"""The attribute of an error naming the process at fault (fdp.launch._bootstrap.BLAMES_ATTR)."""
 
 
 def enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -111,19 +114,23 @@ def check(metrics: dict[str, Any], *, kind: str, call: int, config: Any) -> dict
         )
     else:
         cause = "Every device's values were non-finite: the state, a hyper-parameter or the model."
-    raise FloatingPointError(
+    error = FloatingPointError(
         f"{kind}: non-finite values (NaN or inf) at call {call} of this step, before the "
         f"gradient all-reduce, first on process {first}: " + "; ".join(parts) + f". {cause} "
         f"({ENV_VAR}=1 checks every step; the state this step returned holds the "
         "non-finite values.)"
     )
+    # Every process raises this error; fdp launch's summary blames the process it names,
+    # not the first to exit (fdp/launch/_bootstrap.py records the attribute).
+    setattr(error, BLAMES_ATTR, first)
+    raise error
 
 
 def hyperparameters(args: Mapping[str, Any]) -> dict[str, float]:
     """The optimizer hyper-parameters a step can see: ``optax.inject_hyperparams`` state.
 
     A learning rate given to ``optax.sgd(lr)`` lives in a closure, out of fdp's
-    sight (but in the traced program); one given through
+    sight (its program is read by :func:`nan_constants`); one given through
     ``optax.inject_hyperparams`` lives in the optimizer state, under
     ``hyperparams``. Reads those values (one small transfer, at a step's first call).
 
@@ -163,4 +170,81 @@ def check_hyperparameters(values: Mapping[str, float], *, kind: str) -> None:
             f"{kind}: optimizer hyper-parameters must be finite, got {', '.join(bad)}; "
             "every update would make the parameters NaN. Pass a finite value to "
             "optax.inject_hyperparams (or set it in opt_state.hyperparams)."
+        )
+
+
+# Primitives whose result is NaN wherever an operand is NaN: a NaN constant there is a
+# NaN setting (a learning rate, a momentum, a schedule's value) that reaches every
+# update. Not select_n, broadcast_in_dim and the like, which may hold a NaN on purpose
+# (optax's schedule-free optimizers fill with NaN inside a jnp.where).
+_ARITHMETIC = frozenset({"add", "sub", "mul", "div", "pow", "max", "min", "rem", "atan2"})
+
+
+def nan_constants(tx: Any, opt_state: Any, params: Any) -> list[str]:
+    """The primitives of ``tx.update``'s program that compute with a NaN constant.
+
+    The optimizer's settings are closed over by its functions (``optax.sgd(lr)``
+    keeps ``lr`` in a closure); traced, a setting is a constant of the program
+    (a literal, or a closed-over array). ``tx.update`` is traced on the shapes of
+    ``params`` (as the gradients), ``opt_state`` and ``params``, nothing computed.
+    Infinite constants are not reported: ``optax.clip_by_global_norm(inf)`` (no
+    clipping) multiplies by inf in a branch it never takes, so an infinite
+    setting cannot be told from it by its program.
+
+    Returns:
+      e.g. ``["mul"]`` for ``optax.sgd(float("nan"))``; ``[]`` when none, or when
+      ``tx.update`` cannot be traced on these shapes alone (it is then not judged).
+    """
+    try:
+        closed = jax.make_jaxpr(tx.update)(params, opt_state, params)
+    except Exception:  # an update that needs more than these: not judged
+        return []
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    return sorted(set(_nan_uses(closed.jaxpr, consts)))
+
+
+def _nan_uses(jaxpr: Any, known: dict[Any, Any]) -> Iterator[str]:
+    """Primitives of ``jaxpr`` (and the jaxprs inside it) with a NaN constant operand.
+
+    ``known`` maps variables to their constant values (closed-over arrays, and the
+    constants a call passes into its jaxpr).
+    """
+
+    def value(v: Any) -> Any:
+        return v.val if isinstance(v, jex.Literal) else known.get(v)
+
+    def nan(v: Any) -> bool:
+        array = np.asarray(value(v)) if value(v) is not None else None
+        if array is None or array.size != 1 or not np.issubdtype(array.dtype, np.inexact):
+            return False
+        return bool(np.isnan(array).all())
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _ARITHMETIC and any(nan(v) for v in eqn.invars):
+            yield eqn.primitive.name
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, list | tuple) else [param]:
+                if isinstance(inner, jex.ClosedJaxpr):
+                    inner_known = dict(zip(inner.jaxpr.constvars, inner.consts, strict=True))
+                    if len(inner.jaxpr.invars) == len(eqn.invars):  # a call: the same operands
+                        pairs = zip(inner.jaxpr.invars, eqn.invars, strict=True)
+                        inner_known.update((i, value(o)) for i, o in pairs)
+                    yield from _nan_uses(inner.jaxpr, inner_known)
+                elif isinstance(inner, jex.Jaxpr):
+                    yield from _nan_uses(inner, {})
+
+
+def check_optimizer(tx: Any, opt_state: Any, params: Any, *, kind: str) -> None:
+    """Raises if ``tx``'s update computes with a NaN setting (:func:`nan_constants`).
+
+    Raises:
+      ValueError: naming the primitives and the fix.
+    """
+    uses = nan_constants(tx, opt_state, params)
+    if uses:
+        raise ValueError(
+            f"{kind}: the optimizer's update computes with a NaN constant ({', '.join(uses)}): "
+            "a setting given to it (a learning rate, momentum, weight decay or schedule "
+            "value) is NaN, and every update would make the parameters NaN. Pass finite "
+            "values to the optimizer."
         )

@@ -199,7 +199,7 @@ class DataParallelStep(Step):
             stacked = cfg.per_device_state and jnp.ndim(state.step) > 0
             params = unstacked(state.params) if stacked else state.params
             buckets = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-        self._agree("init", None, state=state)
+        self._agree("init", None, optimizer=_optimizer(state), state=state)
         if cfg.zero_stage:  # before the optimizer state is padded (fdp.step._padding)
             self._remember_shapes(state.params, state.opt_state)
         return prepare_linen_state(cfg, state, buckets)
@@ -272,7 +272,9 @@ class DataParallelStep(Step):
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         _check_state(state)
         plan = self._plan(state, batch, rng, mask)
-        self._agree("call", plan, state=state, batch=batch, rng=rng, mask=mask)
+        self._agree(
+            "call", plan, optimizer=_optimizer(state), state=state, batch=batch, rng=rng, mask=mask
+        )
         stateful = self._stateful_hook
         if stateful is None or not linen_state_ready(self.config, state, stateful):
             state = prepare_linen_state(self.config, state, plan.buckets)
@@ -283,9 +285,19 @@ class DataParallelStep(Step):
         """The lowered step (``.as_text()``, ``.compile()``), without running it."""
         _check_state(state)
         plan = self._plan(state, batch, rng, mask)
-        self._agree("call", plan, state=state, batch=batch, rng=rng, mask=mask)
+        self._agree(
+            "call", plan, optimizer=_optimizer(state), state=state, batch=batch, rng=rng, mask=mask
+        )
         state = prepare_linen_state(self.config, state, plan.buckets)
         return self._lower(plan, None, state, batch, rng, mask)
+
+
+def _optimizer(state: Any) -> tuple[Any, Any, Any] | None:
+    """``(tx, opt_state, params)`` of a ``TrainState``, whose settings are checked once."""
+    tx = getattr(state, "tx", None)
+    if tx is None or not hasattr(tx, "update") or not hasattr(state, "opt_state"):
+        return None
+    return tx, state.opt_state, state.params
 
 
 def _check_state(state: Any) -> None:

@@ -229,7 +229,13 @@ class NNXDataParallelStep(Step):
         """Checks and places the objects; the buckets of ``batch``'s plan (None without one)."""
         _check_optimizer(optimizer)
         plan = None if batch is None else self._plan(model, optimizer, batch, None)
-        self._agree("init", plan, state=nnx.state((model, optimizer)), batch=batch)
+        self._agree(
+            "init",
+            plan,
+            optimizer=_optimizer(model, optimizer),
+            state=nnx.state((model, optimizer)),
+            batch=batch,
+        )
         if not self._placed:
             self._place(model, optimizer)
             self._placed = True
@@ -412,7 +418,14 @@ class NNXDataParallelStep(Step):
         if not ready:
             with heartbeat.compiling():  # it traces: never a hang for fdp launch
                 first = self._plan(model, optimizer, batch, mask)
-            self._agree("call", first, state=nnx.state((model, optimizer)), batch=batch, mask=mask)
+            self._agree(
+                "call",
+                first,
+                optimizer=_optimizer(model, optimizer),
+                state=nnx.state((model, optimizer)),
+                batch=batch,
+                mask=mask,
+            )
             with heartbeat.compiling():
                 if not self._placed:
                     self._place(model, optimizer)
@@ -488,6 +501,12 @@ def _captured_object_error(error: Exception) -> TypeError:
         "@fdp.ddp, which takes the rngs as an argument (add `grads = "
         f"fdp.reduce_gradients(grads)` after taking them). JAX said: {error}"
     )
+
+
+def _optimizer(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any, Any]:
+    """``(tx, opt_state, params)`` as ``optimizer.update`` passes them to ``tx.update``."""
+    params = nnx.as_pure(nnx.state(model, optimizer.wrt))
+    return optimizer.tx, nnx.as_pure(optimizer.opt_state), params
 
 
 def _check_optimizer(optimizer: Any) -> None:

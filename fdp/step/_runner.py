@@ -151,7 +151,14 @@ class StepRunner:
             "step(state, batch)`. (Build the step with donate=False to keep inputs alive.)"
         )
 
-    def _agree(self, at: str, plan: StepPlan | None, **args: Any) -> None:
+    def _agree(
+        self,
+        at: str,
+        plan: StepPlan | None,
+        *,
+        optimizer: tuple[Any, Any, Any] | None = None,
+        **args: Any,
+    ) -> None:
         """Checks, once per ``at`` (``"init"``, ``"call"``), that the processes build this alike.
 
         Before the state is placed or the step traced, at any debug level:
@@ -160,12 +167,16 @@ class StepRunner:
         One exchange of a hash; nothing with one process. At ``DETAIL`` the
         optimizer hyper-parameters in the state (``optax.inject_hyperparams``)
         are compared by value. Non-finite hyper-parameters are refused on any
-        number of processes.
+        number of processes, and so, at the first check, is an ``optimizer``
+        ``(tx, opt_state, params)`` whose update computes with a NaN setting
+        (``optax.sgd(float("nan"))``, which keeps it in a closure).
         """
         if at in self._agreed:
             return
         hyper = finite.hyperparameters(args)
         finite.check_hyperparameters(hyper, kind=self._kind)
+        if optimizer is not None and not self._agreed:
+            finite.check_optimizer(*optimizer, kind=self._kind)
         if jax.process_count() > 1:
             detail = debug_level() >= DebugLevel.DETAIL
             fingerprint = settings_fingerprint(self._kind, self.config, plan, args)

@@ -125,7 +125,7 @@ def _same_everywhere(value: Any) -> Any:
         return value
     from fdp.runtime._host import broadcast_object
 
-    return broadcast_object(value)
+    return broadcast_object(value, purpose="fdp.tune's choice")
 
 
 def _slowest(times: list[float]) -> list[float]:
@@ -134,7 +134,7 @@ def _slowest(times: list[float]) -> list[float]:
         return times
     from fdp.runtime._host import all_gather_object
 
-    gathered = all_gather_object([float(t) for t in times])
+    gathered = all_gather_object([float(t) for t in times], purpose="fdp.tune's timings")
     return [max(ts) for ts in zip(*gathered, strict=True)]
 
 

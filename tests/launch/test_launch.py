@@ -5,6 +5,7 @@ well under a second; the last ones run JAX workers joined by fdp.init. Every tes
 checks (through the `marker` fixture) that no process it started is left alive.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -37,6 +38,10 @@ def test_command_line_passes_script_arguments_through():
     assert cfg.script_args == ("--lr", "0.1", "--nproc-per-node", "9")
     assert parse("--", "train.py", "-x").script_args == ("-x",)
     assert parse("-m", "pkg.train", "a").module
+    # Verbatim, as torchrun: never read as abbreviations of the launcher's options
+    # (--n, --h), nor a "--" of the script's dropped.
+    cfg = parse("--nproc", "2", "train.py", "--n", "3", "--h", "--", "-m")
+    assert cfg.script_args == ("--n", "3", "--h", "--", "-m") and cfg.nproc_per_node == 2
 
 
 @pytest.mark.parametrize(
@@ -123,6 +128,23 @@ def test_the_root_cause_is_the_killed_worker_not_its_peers_lost_connection():
     # A traceback of its own still comes before a bare exit code of a peer.
     boom = exit_of(0, 1, error={"type": "ValueError", "message": "bad batch"})
     assert _summary.root_cause([boom, exit_of(1, 1)]) is boom
+
+
+def test_the_root_cause_is_the_rank_a_shared_error_names():
+    """Every rank raised FDP_CHECK_FINITE's error, "first on process 1": blame rank 1."""
+
+    def nan_error(rank, order, stopped=False):
+        error = {"type": "FloatingPointError", "message": "... first on process 1", "blames": 1}
+        return dataclasses.replace(exit_of(rank, 1, error=error), order=order, stopped=stopped)
+
+    first, named = nan_error(0, order=2), nan_error(1, order=3, stopped=True)
+    assert _summary.root_cause([first, named]) is named
+    assert "root cause: rank 1 (local rank 1" in _summary.format_failure(
+        [first, named], attempt=0, attempts=1, run_id="r"
+    )
+    # Only the same error counts: a rank that failed otherwise is not blamed by another's.
+    other = exit_of(1, 1, error={"type": "ValueError", "message": "bad batch"})
+    assert _summary.root_cause([dataclasses.replace(first, order=1), other]).rank == 0
 
 
 def test_workers_get_torchrun_variables_and_prefixed_output(tmp_path, marker):
@@ -326,6 +348,15 @@ def test_fdp_launch_subcommand_and_busy_port(tmp_path, marker):
     assert {r["env"]["MASTER_PORT"] for r in records(tmp_path).values()} == {str(port)}
 
 
+def test_the_script_gets_every_argument_after_its_name_unchanged(tmp_path, marker):
+    """`fdp launch --nproc-per-node 2 train.py --n 3`: --n is the script's, not ambiguous."""
+    script_args = ["ok", str(tmp_path), "--n", "3", "--h", "--version", "--", "--nproc"]
+    argv = ["-m", "fdp", "launch", "--nproc-per-node", "2", WORKERS / "probe.py", *script_args]
+    out = finish(start(argv, marker), 60, time.monotonic())
+    assert out.returncode == 0, out.output
+    assert [rec["argv"][1:] for rec in records(tmp_path).values()] == [script_args] * 2
+
+
 # JAX workers, joined by fdp.init: the failure of one must not leave the other hanging.
 
 
@@ -341,6 +372,23 @@ def test_a_jax_worker_waiting_at_a_barrier_is_stopped_when_its_peer_dies(tmp_pat
     if mode == "raise":
         assert "RuntimeError: rank 1 failed on purpose" in summary(out)
     assert failure_seconds(out, tmp_path) < FAILURE_BOUND
+
+
+@pytest.mark.parametrize(("mode", "code"), [("raise0", 1), ("exit0", 3)])
+def test_rank_0_leaves_no_coordinator_claim_when_it_fails(tmp_path, marker, mode, code):
+    """The bootstrap's os._exit skipped fdp.init's release: the claim file stayed."""
+    out = launch(
+        ["--nproc-per-node", "2"],
+        "failing.py",
+        [mode, tmp_path / "stamp"],
+        marker,
+        timeout=120,
+        TMPDIR=str(tmp_path),
+    )
+    assert out.returncode == 1, out.output
+    assert "root cause: rank 0 (local rank 0" in out.stderr
+    assert f"ended with exit code {code}" in out.stderr
+    assert list(tmp_path.glob("fdp-coordinator-*.json")) == []
 
 
 def test_a_straggler_is_named_by_monitored_barrier(tmp_path, marker):

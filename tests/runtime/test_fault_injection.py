@@ -92,6 +92,8 @@ def test_a_nan_on_one_rank_is_named_with_its_step_when_the_guard_is_on(marker):
     out = run_mismatch(marker, *args, FDP_CHECK_FINITE="1")
     assert out.returncode == 1, out.output
     cause = summary(out)
+    # Both ranks raise the error; the summary blames the rank it names (was rank 0).
+    assert "root cause: rank 1 (local rank 1" in cause
     assert "FloatingPointError: fdp.train_step: non-finite values (NaN or inf) at call 2" in cause
     assert "first on process 1: device 1 (process 1): loss and gradients" in cause
     for rank in (0, 1):

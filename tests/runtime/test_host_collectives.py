@@ -195,12 +195,24 @@ def test_a_faulty_peer_gets_errors_that_name_the_key_the_peer_and_the_expectatio
         assert kind == "ValueError", message
         assert "same number of rows; got process 0: 8, process 1: 6" in message
         assert res[rank]["equal_rows"] == [8, 2]
-    kind, message = res[0]["mismatch"]
-    assert kind == "TimeoutError", message
-    assert "process 1 at broadcast_object instead: host collective #4 differs" in message
-    kind, message = res[1]["mismatch"]
-    assert kind == "TimeoutError", message
-    assert "process 0 at barrier instead" in message
+    # Found when both reach call #4, not after a timeout: each process is named with its call.
+    for rank, own in ((0, "barrier"), (1, "broadcast_object")):
+        kind, message = res[rank]["mismatch"]
+        assert kind == "RuntimeError", message
+        assert message.startswith(
+            f"fdp.runtime.{own}: host collective #4 differs across processes: process 0 "
+            "called barrier, process 1 called broadcast_object (every process must call"
+        )
+    # On main each got the other's value: "got process 0: 3, process 1: 8b0df479bbba...".
+    crossed = (
+        "host collective #7 differs across processes: process 0 called all_gather_object "
+        "for fdp.shard_batch's row count check, process 1 called all_gather_object for "
+        "fdp.train_step's settings check"
+    )
+    for rank in (0, 1):
+        kind, message = res[rank]["crossed"]
+        assert kind == "RuntimeError", message
+        assert crossed in message
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0, -1, "5", True])

@@ -85,6 +85,43 @@ def test_a_non_finite_learning_rate_of_an_nnx_optimizer_is_refused():
         step(model, optimizer, fdp.shard_batch({"x": jnp.ones((8, 2)), "y": jnp.ones(8)}))
 
 
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.sgd(NAN),  # the learning rate only in the update's closure
+        optax.adam(jnp.float32(NAN)),  # as an array
+        optax.sgd(0.1, momentum=NAN),
+        optax.sgd(optax.linear_schedule(NAN, 0.0, 10)),  # a schedule
+    ],
+    ids=["sgd", "adam_array", "momentum", "schedule"],
+)
+def test_a_nan_setting_in_the_optimizers_closure_is_refused_before_the_first_step(tx):
+    """Issue 44: optax.sgd(float("nan")) trained silently (NaN from the first update)."""
+    model = MLP()
+    params = model.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"]
+    state = fdp.replicate(TrainState.create(apply_fn=model.apply, params=params, tx=tx))
+    step = fdp.train_step(cross_entropy(model.apply))
+    with pytest.raises(ValueError, match="the optimizer's update computes with a NaN constant"):
+        step(state, fdp.shard_batch(make_data(0, 16)))
+    nnx_model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(nnx_model, tx, wrt=nnx.Param)
+    nnx_step = fdp.nnx_train_step(lambda m, b: jnp.mean((m(b["x"])[:, 0] - b["y"]) ** 2))
+    with pytest.raises(ValueError, match="the optimizer's update computes with a NaN constant"):
+        nnx_step(nnx_model, optimizer, fdp.shard_batch({"x": jnp.ones((8, 2)), "y": jnp.ones(8)}))
+
+
+def test_nan_and_inf_constants_an_optimizer_holds_on_purpose_are_not_refused():
+    params = {"w": jnp.ones(3)}
+    for tx in (
+        optax.chain(optax.clip_by_global_norm(float("inf")), optax.sgd(0.1)),  # inf: no clip
+        optax.contrib.schedule_free_sgd(0.1),  # a NaN fill inside a jnp.where
+    ):
+        assert _finite.nan_constants(tx, tx.init(params), params) == []
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_the_guard_names_the_device_of_a_scanned_stacks_nan(monkeypatch, zero_stage):
     # Reduced inside the backward loop, a stack's gradient is every device's before the

@@ -2,7 +2,8 @@
 
 Run under `fdp launch --nproc-per-node 2`. Rank 0 plays the faulty peer: it sends bytes
 that are not an encoded value, writes a stray key where all_gather_object reads,
-calls a different host collective than rank 1, and passes more rows to shard_batch.
+calls a different host collective than rank 1, passes more rows to shard_batch, and
+checks a batch's rows while rank 1 checks its step's settings.
 Every error must be fdp's, naming the key, the peer and what was expected; afterwards
 the collectives still work.
 """
@@ -14,6 +15,8 @@ import jax
 jax.config.update("jax_num_cpu_devices", 1)
 
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training.train_state import TrainState  # noqa: E402
 
 import fdp  # noqa: E402
 from fdp import runtime  # noqa: E402
@@ -63,6 +66,14 @@ else:
 # 4. Local batches of different sizes (8 rows and 6): refused on both, naming each.
 attempt("rows", lambda: fdp.shard_batch(np.zeros((8 if me == 0 else 6, 2), np.float32)).shape)
 out["equal_rows"] = list(fdp.shard_batch(np.zeros((4, 2), np.float32)).shape)
+
+# 5. Process 0 checks its batch's rows (fdp.shard_batch) where process 1 checks its
+# step's settings (step.init): each is told the other's collective, never its value.
+state = TrainState.create(apply_fn=None, params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
+if me == 0:
+    attempt("crossed", lambda: fdp.shard_batch(np.zeros((3, 2), np.float32)).shape)
+else:
+    attempt("crossed", lambda: fdp.train_step(lambda p, b: 0.0).init(state) and "done")
 
 # Afterwards the collectives still agree.
 out["after"] = runtime.all_gather_object(me, timeout=20)
