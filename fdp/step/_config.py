@@ -129,6 +129,12 @@ class StepConfig:
                 f"buffers must be one of {BUFFER_MODES} or a function "
                 f"fn(buffers, axis_name) -> buffers, got {self.buffers!r}."
             )
+        if self.loss.normalize == "tokens" and self.accumulation.op == "sum":
+            raise ValueError(
+                "loss=fdp.Loss(normalize='tokens') divides by the step's global token count; "
+                "accumulation=fdp.Accumulation(op='sum') adds micro-batch means instead. Use "
+                "op='mean' (the default) with it."
+            )
         self._check_zero()
         self._check_reduction()
 

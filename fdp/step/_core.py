@@ -253,6 +253,7 @@ def reduce_step(
         accumulate_steps=config.accumulate_steps,
         accum_dtype=config.accum_dtype,
         per_example=config.per_example,
+        tokens=config.loss.normalize == "tokens",
         weights=LossWeights.of(config),
         mask=mask,
         rng=per_device(rng, axis),

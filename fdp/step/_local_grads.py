@@ -69,6 +69,19 @@ class LossWeights:
         return cls(config.accumulate_op, config.weighting, config.divide_by_initial_world_size)
 
 
+def per_token(sums: list[Any], loss: jax.Array, axis_name: AxisName) -> tuple[list, jax.Array]:
+    """Summed token-loss gradients divided for the mean over devices, and the global weight.
+
+    ``loss`` is ``(loss_sum, weight)`` over this device's micro-batches; with
+    ``W`` the weight over every device (one scalar all-reduce), each sum is
+    scaled by ``N / W``, so the device mean of the results is the gradient of
+    the global per-token mean loss (MaxText's and torchtitan's normalisation).
+    """
+    total = jnp.maximum(sum_over(loss[1], axis_name), jnp.finfo(jnp.float32).tiny)
+    scale = jax.lax.axis_size(axis_name) / total
+    return [s * scale.astype(s.dtype) for s in sums], total
+
+
 def mean_loss_scale(how: LossWeights, k: Any) -> Any:
     """The weight of one of ``k`` micro-batch mean losses: ``1/k``, or 1 for ``'sum'``.
 
@@ -229,6 +242,7 @@ def local_gradients(
     accumulate_steps: int = 1,
     accum_dtype: Any = None,
     per_example: bool = False,
+    tokens: bool = False,
     weights: LossWeights = LossWeights(),
     mask: jax.Array | None = None,
     rng: jax.Array | None = None,
@@ -248,6 +262,11 @@ def local_gradients(
       accumulate_steps: number of micro-batches K.
       accum_dtype: accumulation dtype (default: float32 for 16-bit parameters).
       per_example: the objective returns one loss per example.
+      tokens: the objective returns ``(loss_sum, weight)``: the summed gradient
+        is divided by the weight over every micro-batch and device before it
+        is reduced (``fdp.Loss(normalize='tokens')``), a collective of one
+        scalar; the mean over devices is then the gradient of the global
+        per-token mean.
       weights: how the losses are weighed (see the module's docstring).
       mask: this device's ``[K*B]`` weights (per-example mode), 1 for real
         examples, 0 for padding, ``STEP_PADDING`` for the step's own padding.
@@ -306,6 +325,9 @@ def local_gradients(
             if scale is not None:  # per-example: weighed by the real examples
                 loss_sum = jnp.sum(micro_mask * loss)
                 return loss_sum * scale, (loss_sum, aux, new_carry)
+            if tokens:  # (sum, weight): the sum now, divided by the global weight after
+                token_sum, weight = loss
+                return token_sum, (jnp.stack([token_sum, weight]), aux, new_carry)
             return loss * mean_loss_scale(weights, k), (loss / k, aux, new_carry)
 
         (_, (loss_part, aux, carry)), grads = jax.value_and_grad(weighted, has_aux=True)(params)
@@ -323,10 +345,9 @@ def local_gradients(
         a if is_varying(x, axis_name) is False else vary(a, axis_name)
         for a, x in zip(acc0, leaves, strict=True)
     ]
-    state0 = (
-        acc0,
-        *vary((carry, jnp.zeros((), jnp.float32), jnp.zeros((len(track),), jnp.bool_)), axis_name),
-    )
+    # The loss so far: a scalar, or (token loss sum, weight) with ``tokens``.
+    loss0 = jnp.zeros((2,) if tokens else (), jnp.float32)
+    state0 = (acc0, *vary((carry, loss0, jnp.zeros((len(track),), jnp.bool_)), axis_name))
     micro_batches = split_micro_batches(batch, k)
     xs = (jnp.arange(k), micro_batches, micro_masks)
     last = jax.tree.map(lambda x: x[-1], xs)
@@ -353,11 +374,16 @@ def local_gradients(
 
             def last_and_finish(st: tuple) -> tuple[tuple, Any]:
                 st, aux_l = micro(st, last)
-                return (list(finish(st[0])), *st[1:]), aux_l
+                sums = per_token(st[0], st[2], axis_name)[0] if tokens else st[0]
+                return (list(finish(sums)), *st[1:]), aux_l
 
             state, aux_last = _compat.run_once(last_and_finish, state)
         aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux_head, aux_last)
     acc, carry, loss_acc, used = state
+    if tokens:  # (already divided by the weight where ``finish`` reduced them)
+        divided, total_or_none = per_token(acc, loss_acc, axis_name)
+        acc = acc if finish is not None else divided
+        loss_acc = loss_acc[0]
     grads = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(acc, dtypes, strict=True)])
     micro_rows = jax.tree.leaves(micro_batches)[0].shape[1]
     rows = per_example_leaves(aux, micro_rows, gather_aux)

@@ -10,6 +10,21 @@ import jax.numpy as jnp
 from fdp.step._config import StepConfig
 
 
+def _token_loss(loss: Any) -> tuple[jax.Array, jax.Array]:
+    """``(loss_sum, weight)`` as two float32 scalars, or the contract's error."""
+    pair = isinstance(loss, tuple | list) and len(loss) == 2
+    if pair and all(
+        jnp.shape(x) == () and jnp.issubdtype(jnp.result_type(x), jnp.number) for x in loss
+    ):
+        loss_sum, weight = loss
+        return jnp.asarray(loss_sum, jnp.float32), jnp.asarray(weight, jnp.float32)
+    raise TypeError(
+        "loss_fn must return (loss_sum, weight) with loss=fdp.Loss(normalize='tokens'): the "
+        "sum of its per-token losses and their number (two scalars; the step divides by "
+        f"the global weight); got {_describe(loss)}."
+    )
+
+
 def check_loss_fn(loss_fn: Any) -> Any:
     """``loss_fn`` if it is callable.
 
@@ -28,7 +43,9 @@ def call_loss(
 
     ``loss_fn`` returns ``loss``, ``(loss, aux)`` (``has_aux``), ``(loss,
     new_buffers)`` (with buffers) or ``(loss, (aux, new_buffers))`` (both).
-    ``loss`` is a float scalar, or one value per example with ``per_example``.
+    ``loss`` is a float scalar, one value per example with ``per_example``, or
+    ``(loss_sum, weight)``, two float scalars, with ``normalize='tokens'``
+    (returned as they are, a tuple).
 
     Raises:
       TypeError: the result does not have the expected structure, shape or dtype.
@@ -61,6 +78,8 @@ def call_loss(
             buffers = rest
     else:
         loss = out
+    if cfg.loss.normalize == "tokens":
+        return _token_loss(loss), aux, buffers
     _check_is_array(loss, cfg, has_buffers)
     batch_size = jnp.shape(jax.tree.leaves(args[1])[0])[0] if len(args) > 1 else None
     want = (batch_size,) if cfg.per_example else ()

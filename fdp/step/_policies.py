@@ -42,6 +42,7 @@ ShardOver = Literal["all", "inner"]
 SHARD_OVER = ("all", "inner")
 ACCUMULATE_OPS = ("mean", "sum")
 WEIGHTINGS = ("example", "device")
+NORMALIZATIONS = ("mean", "tokens")
 DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb
 
 
@@ -225,6 +226,15 @@ class Loss:
       find_unused_parameters: some parameters may not reach the loss: leave
         them (and their optimizer state) untouched in steps where no device
         used them (DDP's ``find_unused_parameters``).
+      normalize: ``'mean'`` (the default): ``loss_fn`` returns its mean loss,
+        and the step averages the devices' (DDP). ``'tokens'``: ``loss_fn``
+        returns ``(loss_sum, weight)``, the sum of its per-token losses and
+        how many tokens they are (any float weight: the padding-masked token
+        count of a language model); the step divides the sum over every
+        device and micro-batch by the step's global weight, as MaxText and
+        torchtitan normalise, so the gradient is one device's on the whole
+        batch whatever the padding, the devices and the accumulation.
+        ``metrics['loss']`` is the per-token mean.
 
     Example:
       >>> import fdp
@@ -243,6 +253,7 @@ class Loss:
     divide_by_initial_world_size: bool = True
     gather_aux: bool | Callable[[str], bool] = True
     find_unused_parameters: bool = False
+    normalize: str = "mean"
 
     def __post_init__(self) -> None:
         for name in ("has_aux", "per_example", "divide_by_initial_world_size"):
@@ -250,6 +261,13 @@ class Loss:
         _bool(self.find_unused_parameters, "find_unused_parameters")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}.")
+        if self.normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {self.normalize!r}.")
+        if self.normalize == "tokens" and self.per_example:
+            raise ValueError(
+                "normalize='tokens' (loss_fn returns (loss_sum, weight)) and per_example=True "
+                "(one loss per example) are two contracts; pick one."
+            )
         if self.weighting != "example" and not self.per_example:
             raise ValueError(
                 f"weighting={self.weighting!r} weighs real examples per device and needs "
