@@ -63,6 +63,8 @@ class _Layout:
     node_positions: tuple[int, ...]  # arguments that are NNX objects
     batch: tuple[bool, ...]  # per argument: split over the data axis
     metric_leaves: tuple[bool, ...]  # per NNX state leaf: inside an nnx.Metric
+    statics: tuple[tuple[int, Any], ...] = ()  # (position, value) of static arguments
+    keywords: tuple[str, ...] = ()  # names of the trailing arguments passed by keyword
     out_treedef: Any = None
     out_rules: tuple[str, ...] = ()
     state_rules: tuple[str, ...] = ()
@@ -88,14 +90,22 @@ def _flatten_out(out: Any) -> tuple[list[Any], Any]:
     return [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves], treedef
 
 
-def _out_rule(x: Any, axis: AxisName, local_rows: frozenset[int]) -> str:
+def _out_paths(out: Any) -> list[str]:
+    """``jax.tree_util.keystr`` of every output leaf (``output_reduction`` reads them)."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
+
+
+SUM = "sum"  # a per-device value summed over the devices (output_reduction='sum')
+
+
+def _out_rule(x: Any, axis: AxisName, local_rows: frozenset[int], summed: bool) -> str:
     if not is_varying(x, axis):
         return SAME
     if is_key(x) or (not jnp.issubdtype(x.dtype, jnp.number) and x.dtype != jnp.bool_):
         return FIRST
     if jnp.ndim(x) >= 1 and jnp.shape(x)[0] in local_rows:
         return GATHER
-    return REDUCE
+    return SUM if summed else REDUCE
 
 
 def _state_rule(x: Any, in_metric: bool, axis: AxisName) -> str:
@@ -112,6 +122,8 @@ def _apply_rule(rule: str, x: Any, old: Any, axis: AxisName) -> Any:
         return x
     if rule == REDUCE:
         return reduce_leaf(x, axis)
+    if rule == SUM:
+        return jax.lax.psum(x, axis)
     if rule == ADD_CHANGES:
         return old + jax.lax.psum(x - old, axis)
     return sync_buffers(x, "broadcast", axis)
@@ -126,19 +138,27 @@ class DDPFunction:
         mesh: Mesh | None,
         axis_name: AxisName,
         batch_argnums: tuple[int, ...],
+        *,
+        static_argnums: tuple[int, ...] = (),
+        static_argnames: tuple[str, ...] = (),
+        output_reduction: str | Callable[[str], str] = "mean",
     ):
         self.fn = fn
         functools.update_wrapper(self, fn)
         self._mesh = mesh
         self._axis_name = axis_name
         self._batch_argnums = batch_argnums
+        self._static_argnums = static_argnums
+        self._static_argnames = static_argnames
+        self._output_reduction = output_reduction
         self._layouts: dict[Any, _Layout] = {}
         self._jitted: Any = None
         self._queue: InFlight | bool | None = False  # False: not decided yet
         try:
-            self._arg_names = tuple(inspect.signature(fn).parameters)
+            self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
-            self._arg_names = ()
+            self._signature = None
+        self._arg_names = () if self._signature is None else tuple(self._signature.parameters)
 
     @property
     def mesh(self) -> Mesh:
@@ -165,7 +185,10 @@ class DDPFunction:
             nodes = nnx.merge(layout.graphdef, per_device(keys, axis), state, copy=True)
             for pos, node in zip(layout.node_positions, nodes, strict=True):
                 args[pos] = node
-        out = self.fn(*args)
+        for pos, value in layout.statics:
+            args[pos] = value
+        split = len(args) - len(layout.keywords)
+        out = self.fn(*args[:split], **dict(zip(layout.keywords, args[split:], strict=True)))
         new_state = nnx.split(nodes, nnx.RngKey, ...)[2] if nodes else None
         return out, new_state
 
@@ -187,7 +210,10 @@ class DDPFunction:
         def body(keys: Any, state: Any, others: tuple) -> tuple:
             out, new_state = self._body(layout, keys, state, others)
             leaves, seen["treedef"] = _flatten_out(out)
-            seen["out"] = tuple(_out_rule(x, axis, rows) for x in leaves)
+            sums = [self._summed(path) for path in _out_paths(out)]
+            seen["out"] = tuple(
+                _out_rule(x, axis, rows, s) for x, s in zip(leaves, sums, strict=True)
+            )
             state_leaves = jax.tree.leaves(new_state)
             seen["state"] = tuple(
                 _state_rule(x, m, axis)
@@ -289,7 +315,66 @@ class DDPFunction:
                         f"batch_argnums={self._batch_argnums} (it is then replicated)."
                     )
 
-    def __call__(self, *args: Any) -> Any:
+    def _summed(self, path: str) -> bool:
+        """Whether the output at ``path`` adds up over the devices (``output_reduction``)."""
+        how = self._output_reduction
+        rule = how(path) if callable(how) else how
+        if rule not in OUTPUT_REDUCTIONS:
+            raise ValueError(
+                f"fdp.ddp: output_reduction gave {rule!r} for the output {path or '(the output)'}; "
+                f"expected one of {OUTPUT_REDUCTIONS}."
+            )
+        return rule == "sum"
+
+    def _bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, tuple[str, ...]]:
+        """The call's arguments in the function's order, and the names of those passed by keyword.
+
+        Positional arguments come first, as given; keyword arguments follow in the
+        signature's order (``batch_argnums`` and ``static_argnums`` count them by
+        their position in the signature, ``static_argnames`` by name).
+        """
+        if not kwargs:
+            return args, ()
+        if self._signature is None:
+            raise TypeError(
+                f"fdp.ddp: {getattr(self.fn, '__name__', 'the step')} has no signature to "
+                f"place the keyword arguments {sorted(kwargs)} by; pass them positionally."
+            )
+        bound = self._signature.bind(*args, **kwargs)
+        names = tuple(n for n in self._signature.parameters if n in kwargs)
+        return (*args, *(bound.arguments[n] for n in names)), names
+
+    def _static_positions(self, names: tuple[str, ...], count: int, keywords: tuple) -> set[int]:
+        chosen = set()
+        for i in self._static_argnums:
+            if not -count <= i < count:
+                raise ValueError(
+                    f"fdp.ddp: static_argnums={self._static_argnums} names position {i}, but "
+                    f"{getattr(self.fn, '__name__', 'the step')} was called with {count} "
+                    "arguments."
+                )
+            chosen.add(i % count)
+        for name in self._static_argnames:
+            if name in keywords:
+                chosen.add(count - len(keywords) + keywords.index(name))
+            elif name in names and names.index(name) < count - len(keywords):
+                chosen.add(names.index(name))
+        return chosen
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, keywords = self._bind(args, kwargs)
+        static = self._static_positions(self._arg_names, len(args), keywords)
+        statics = tuple((i, args[i]) for i in sorted(static))
+        for i, value in statics:
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"fdp.ddp: {self._name(i)} is static (static_argnums/static_argnames) and "
+                    f"must be hashable, as jax.jit's static arguments are; got "
+                    f"{type(value).__name__}."
+                ) from None
+        args = tuple(None if i in static else a for i, a in enumerate(args))
         node_positions = tuple(i for i, a in enumerate(args) if _is_node(a))
         nodes = tuple(args[i] for i in node_positions)
         graphdef = keys = state = None
@@ -306,12 +391,14 @@ class DDPFunction:
             treedef,
             batch,
             tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
+            statics,
+            keywords,
         )
         layout = self._layouts.get(signature)
         if layout is None:
             if len(self._layouts) >= 64:  # new shapes every call: keep memory bounded
                 self._layouts.clear()
-            base = _Layout(graphdef, node_positions, batch, metric_leaves)
+            base = _Layout(graphdef, node_positions, batch, metric_leaves, statics, keywords)
             layout = self._layouts[signature] = self._classify(base, keys, state, others)
         if self._jitted is None:
             self._jitted = jax.jit(self._run, static_argnums=(0,))
@@ -328,6 +415,28 @@ class DDPFunction:
         if nodes:
             nnx.update(nodes, new_state)
         return jax.tree.unflatten(layout.out_treedef, list(out_leaves))
+
+
+OUTPUT_REDUCTIONS = ("mean", "sum")
+
+
+def _check_argnums(value: Any, what: str) -> tuple[int, ...]:
+    """``static_argnums`` as a tuple of ints, or an error naming it."""
+    nums = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(nums, tuple | list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in nums
+    ):
+        raise TypeError(f"fdp.ddp: {what} must be an int or a tuple of ints, got {value!r}.")
+    return tuple(nums)
+
+
+def _check_argnames(value: Any) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, tuple | list) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"fdp.ddp: static_argnames must be a str or a tuple of strs, got {value!r}."
+        )
+    return tuple(names)
 
 
 def _check_batch_argnums(batch_argnums: Any, fn: Callable[..., Any]) -> tuple[int, ...]:
@@ -364,6 +473,9 @@ def ddp(
     mesh: Mesh | None = None,
     axis_name: AxisName = DATA_AXIS,
     batch_argnums: int | Sequence[int] | None = None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    output_reduction: str | Callable[[str], str] = "mean",
 ) -> Any:
     """Makes your own step function data-parallel: use it where ``jax.jit`` / ``nnx.jit`` was.
 
@@ -390,7 +502,17 @@ def ddp(
       axis_name: the data axis of ``mesh``.
       batch_argnums: the position (an int) or positions (a tuple) of the
         arguments to split over the data axis; negative positions count from
-        the end. Required.
+        the end. Required. Arguments passed by keyword count at their
+        position in ``fn``'s signature.
+      static_argnums: positions of arguments that are static (hashable Python
+        values: a config, a flag), as ``jax.jit``'s: passed to ``fn`` as they
+        are, and a new value compiles again.
+      static_argnames: the same, by name (for arguments passed by keyword too).
+      output_reduction: how an output that differs per device and is not a
+        per-example batch comes back: ``'mean'`` (the default: floats averaged,
+        integers summed) or ``'sum'`` (added up: a sum of losses and its
+        denominator, as lm1b's ``compute_metrics`` returns them); or a function
+        of the output's key path (``jax.tree_util.keystr``) giving either.
 
     Returns:
       The data-parallel function, called with the same arguments as ``fn``.
@@ -414,10 +536,31 @@ def ddp(
       (309.0, (2,), 36.0)
     """
     if fn is None:
-        return functools.partial(ddp, mesh=mesh, axis_name=axis_name, batch_argnums=batch_argnums)
+        return functools.partial(
+            ddp,
+            mesh=mesh,
+            axis_name=axis_name,
+            batch_argnums=batch_argnums,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            output_reduction=output_reduction,
+        )
     if not callable(fn):
         raise TypeError(f"fdp.ddp: fn must be callable, got {type(fn).__name__}.")
     nums = _check_batch_argnums(batch_argnums, fn)
+    if not callable(output_reduction) and output_reduction not in OUTPUT_REDUCTIONS:
+        raise ValueError(
+            f"fdp.ddp: output_reduction must be one of {OUTPUT_REDUCTIONS} or a function of "
+            f"an output's key path, got {output_reduction!r}."
+        )
     if mesh is not None:
         check_axis(mesh, axis_name)
-    return DDPFunction(fn, mesh, axis_name, nums)
+    return DDPFunction(
+        fn,
+        mesh,
+        axis_name,
+        nums,
+        static_argnums=_check_argnums(static_argnums, "static_argnums"),
+        static_argnames=_check_argnames(static_argnames),
+        output_reduction=output_reduction,
+    )

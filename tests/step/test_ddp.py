@@ -258,3 +258,65 @@ def test_batch_argnums_cannot_name_an_nnx_object():
     step = fdp.ddp(lambda m, x: m(x).mean(), batch_argnums=(0, 1))
     with pytest.raises(ValueError, match=r"argument 0 \(m\), an NNX object \(Net\)"):
         step(model, X[:16])
+
+
+class _Config:
+    """A config object as lm1b passes one (hashable by identity: jax.jit's static rule)."""
+
+    def __init__(self, lr):
+        self.lr = lr
+
+
+def lm_style(reduce):
+    """lm1b's train_step shape: a static config positionally, a keyword, sum metrics."""
+
+    def lm_style_step(state, batch, config, *, decay):
+        def loss_fn(params):
+            logits = batch["x"] @ params["w"]
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return ce.mean(), ce.sum()
+
+        (_, total), grads = jax.value_and_grad(loss_fn, has_aux=True)(state)
+        grads = reduce(grads)
+        new = jax.tree.map(lambda p, g: p * (1 - decay) - config.lr * g, state, grads)
+        weights = (batch["y"] >= 0).astype(jnp.float32)  # lm1b's: real tokens, from the data
+        return new, {"loss": total, "denominator": weights.sum()}
+
+    return lm_style_step
+
+
+lm_style_step = lm_style(fdp.reduce_gradients)
+
+
+def test_ddp_takes_static_and_keyword_arguments_and_sums_sum_metrics():
+    config, decay = _Config(0.5), jnp.float32(1e-3)
+    state = {"w": jnp.asarray(RNG.normal(size=(6, 4)), jnp.float32)}
+    batch = {"x": X, "y": Y}
+    plain = jax.jit(lm_style(lambda grads: grads), static_argnums=2)
+    want_state, want = plain(state, batch, config, decay=decay)
+    step = fdp.ddp(lm_style_step, batch_argnums=1, static_argnums=2, output_reduction="sum")
+    got_state, got = step(state, batch, config, decay=decay)
+    chex.assert_trees_all_close(got_state, want_state, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)  # 8 devices' sums added
+    assert float(got["denominator"]) == 32.0
+    # By name, and the default mean: the sums come back as one device's share, on average.
+    by_name = fdp.ddp(lm_style_step, batch_argnums=1, static_argnames="config")
+    _, mean = by_name(state, batch, config=config, decay=decay)
+    np.testing.assert_allclose(mean["loss"] * 8, want["loss"], rtol=1e-6)
+    per_key = fdp.ddp(
+        lm_style_step,
+        batch_argnums=1,
+        static_argnums=2,
+        output_reduction=lambda path: "sum" if "denominator" in path else "mean",
+    )
+    assert float(per_key(state, batch, config, decay=decay)[1]["denominator"]) == 32.0
+
+
+def test_ddp_static_arguments_are_checked():
+    with pytest.raises(TypeError, match="static_argnums must be an int or a tuple of ints"):
+        fdp.ddp(lm_style_step, batch_argnums=1, static_argnums="config")
+    with pytest.raises(ValueError, match=r"output_reduction must be one of \('mean', 'sum'\)"):
+        fdp.ddp(lm_style_step, batch_argnums=1, output_reduction="max")
+    step = fdp.ddp(lm_style_step, batch_argnums=1, static_argnums=2)
+    with pytest.raises(TypeError, match=r"argument 2 \(config\) is static .* hashable"):
+        step({"w": jnp.ones((6, 4))}, {"x": X, "y": Y}, {"lr": 0.1}, decay=0.0)

@@ -253,12 +253,6 @@ def test_a_stage_and_what_cannot_work_with_it_is_refused_when_the_step_is_built(
         fdp.train_step(lambda p, b: 0.0, **kwargs)
 
 
-def test_a_mesh_with_another_axis_is_refused():
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with pytest.raises(ValueError, match=r"also has axes \{'model': 2\}"):
-        fdp.train_step(lambda p, b: 0.0, mesh=mesh, zero_stage=2)
-
-
 @pytest.mark.parametrize(("saved", "restored"), [(2, 0), (3, 1)])
 def test_a_sharded_checkpoint_restores_onto_another_stage_and_fewer_devices(
     saved, restored, tmp_path
