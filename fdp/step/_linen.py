@@ -271,6 +271,7 @@ class DataParallelStep(Step):
         """Runs one step: ``(state, batch[, rng][, mask]) -> (state, metrics)``."""
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         _check_state(state)
+        self._key_reuse.seen(rng)
         plan = self._plan(state, batch, rng, mask)
         self._agree(
             "call", plan, optimizer=_optimizer(state), state=state, batch=batch, rng=rng, mask=mask

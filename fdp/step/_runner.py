@@ -18,6 +18,7 @@ from fdp.runtime import _heartbeat as heartbeat
 from fdp.step import _finite as finite
 from fdp.step._config import StepConfig
 from fdp.step._in_flight import InFlight
+from fdp.step._key_reuse import KeyReuse
 from fdp.step._plan import StepPlan
 from fdp.step._usage import ParamUsage
 from fdp.step._zero import memory_table, shape_structs
@@ -70,6 +71,7 @@ class StepRunner:
         self._observer = Observer(kind, arg_names, batch_arg, stats)
         self._agreed: set[str] = set()  # where the processes compared their settings
         self._calls = 0  # for the numerics guard's message
+        self._key_reuse = KeyReuse(kind)  # a dropout key passed unchanged: warned once
         self._queue: InFlight | bool | None = False  # the platform's bound; False: undecided
 
     @property

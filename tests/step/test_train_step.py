@@ -205,3 +205,25 @@ def test_a_one_device_mesh_compiles_without_collectives():
     lowered = step.lower(state, fdp.shard_batch(make_data(0, 8), mesh))
     assert not fdp.collective_stats(lowered.compile()).ops
     assert step.config.layout == "leaves"  # 'auto' in one process
+
+
+def test_the_same_key_at_every_step_is_warned_once():
+    init = make_state("mlp", "sgd")
+
+    def loss_fn(params, batch, rng):
+        keep = jax.random.bernoulli(rng, 0.9, batch["x"].shape)  # dropout on the input
+        logits = init.apply_fn({"params": params}, batch["x"] * keep)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    batch = fdp.shard_batch(make_data(0, GLOBAL_BATCH))
+    one = jax.random.key(1)
+    for key in (lambda: one, lambda: jax.random.key(1)):  # one object; the seed made again
+        step = fdp.train_step(loss_fn)
+        state, _ = step(fdp.replicate(init), batch, key())
+        with pytest.warns(UserWarning, match="equals the previous call's.*fold_in"):
+            state, _ = step(state, batch, key())
+        state, _ = step(state, batch, key())  # warned once: no error
+    fresh = fdp.train_step(loss_fn)
+    state = fdp.replicate(init)
+    for i in range(3):  # a new key each step: no warning (warnings are errors here)
+        state, _ = fresh(state, batch, jax.random.fold_in(jax.random.key(1), i))
