@@ -61,7 +61,8 @@ class _Layout:
 
     graphdef: Any  # the NNX objects' graph (None without any)
     node_positions: tuple[int, ...]  # arguments that are NNX objects
-    batch: tuple[bool, ...]  # per argument: split over the data axis
+    # Per argument: split over the data axis (True), replicated (False), or per leaf.
+    batch: tuple[bool | tuple[bool, ...], ...]
     metric_leaves: tuple[bool, ...]  # per NNX state leaf: inside an nnx.Metric
     statics: tuple[tuple[int, Any], ...] = ()  # (position, value) of static arguments
     keywords: tuple[str, ...] = ()  # names of the trailing arguments passed by keyword
@@ -72,6 +73,21 @@ class _Layout:
 
 def _is_node(x: Any) -> bool:
     return nnx.graph.is_graph_node(x)
+
+
+def _leaf_flags(batch: bool | tuple[bool, ...], arg: Any) -> tuple[bool, ...]:
+    """Per leaf of ``arg``: whether it is split over the data axis."""
+    if isinstance(batch, tuple):
+        return batch
+    return (batch,) * len(jax.tree.leaves(arg))
+
+
+def _arg_spec(batch: bool | tuple[bool, ...], arg: Any, data: P) -> Any:
+    """``arg``'s ``in_specs`` entry: one spec, or one per leaf where some are replicated."""
+    if not isinstance(batch, tuple):
+        return data if batch else P()
+    treedef = jax.tree.structure(arg)
+    return jax.tree.unflatten(treedef, [data if b else P() for b in batch])
 
 
 def _metric_leaves(nodes: tuple, state: Any) -> tuple[bool, ...]:
@@ -142,6 +158,7 @@ class DDPFunction:
         static_argnums: tuple[int, ...] = (),
         static_argnames: tuple[str, ...] = (),
         output_reduction: str | Callable[[str], str] = "mean",
+        replicated_leaves: Callable[[int, str], bool] | None = None,
     ):
         self.fn = fn
         functools.update_wrapper(self, fn)
@@ -151,6 +168,7 @@ class DDPFunction:
         self._static_argnums = static_argnums
         self._static_argnames = static_argnames
         self._output_reduction = output_reduction
+        self._replicated_leaves = replicated_leaves
         self._layouts: dict[Any, _Layout] = {}
         self._jitted: Any = None
         self._queue: InFlight | bool | None = False  # False: not decided yet
@@ -192,9 +210,10 @@ class DDPFunction:
         new_state = nnx.split(nodes, nnx.RngKey, ...)[2] if nodes else None
         return out, new_state
 
-    def _specs(self, layout: _Layout) -> tuple:
+    def _specs(self, layout: _Layout, args: tuple) -> tuple:
         data = P(self._axis_name)
-        return (P(), P(), tuple(data if b else P() for b in layout.batch))
+        specs = zip(layout.batch, args, strict=True)
+        return (P(), P(), tuple(_arg_spec(b, a, data) for b, a in specs))
 
     def _classify(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> _Layout:
         """Which outputs are the same on every device: an abstract, replication-typed trace."""
@@ -202,8 +221,8 @@ class DDPFunction:
         rows = frozenset(
             int(np.shape(leaf)[0]) // n
             for a, b in zip(others, layout.batch, strict=True)
-            if b
-            for leaf in jax.tree.leaves(a)
+            for leaf, split in zip(jax.tree.leaves(a), _leaf_flags(b, a), strict=True)
+            if split
         )
         seen: dict[str, Any] = {}
 
@@ -228,7 +247,7 @@ class DDPFunction:
                 jax.shard_map(
                     body,
                     mesh=self.mesh,
-                    in_specs=self._specs(layout),
+                    in_specs=self._specs(layout, others),
                     out_specs=(),
                     axis_names=set(axis_names_of(axis)),
                     check_vma=True,
@@ -270,7 +289,7 @@ class DDPFunction:
         mapped = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=self._specs(layout),
+            in_specs=self._specs(layout, others),
             out_specs=out_specs,
             axis_names=set(axis_names_of(axis)),
             check_vma=False,  # pmap's semantics: jax.grad gives per-device gradients
@@ -299,20 +318,39 @@ class DDPFunction:
             chosen.add(i % len(args))
         return tuple(i in chosen for i in range(len(args)))
 
-    def _check_batch(self, args: tuple, batch: tuple[bool, ...]) -> None:
+    def _split_leaves(self, args: tuple, batch: tuple[bool, ...]) -> tuple:
+        """``batch`` with per-leaf flags where ``replicated_leaves`` keeps some leaves whole."""
+        keep = self._replicated_leaves
+        if keep is None:
+            return batch
+        out: list[bool | tuple[bool, ...]] = []
+        for i, (a, b) in enumerate(zip(args, batch, strict=True)):
+            if not b:
+                out.append(False)
+                continue
+            paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
+            flags = tuple(not keep(i, path) for path in paths)
+            out.append(True if all(flags) else flags)
+        return tuple(out)
+
+    def _check_batch(self, args: tuple, batch: tuple) -> None:
         n = check_axis(self.mesh, self._axis_name)
         for i, (a, b) in enumerate(zip(args, batch, strict=True)):
             if not b:
                 continue
-            for path, leaf in jax.tree_util.tree_flatten_with_path(a)[0]:
+            flat = jax.tree_util.tree_flatten_with_path(a)[0]
+            for (path, leaf), split in zip(flat, _leaf_flags(b, a), strict=True):
+                if not split:
+                    continue
                 size = np.shape(leaf)[0] if np.ndim(leaf) else None
                 if size is None or size % n:
                     raise ValueError(
                         f"fdp.ddp: {self._name(i)} is split over the {n} devices of axis "
                         f"{self._axis_name!r}, but {jax.tree_util.keystr(path) or 'it'} "
                         f"has shape {tuple(np.shape(leaf))}: its leading (batch) size must be a "
-                        f"multiple of {n}. Use such a batch size, or leave the argument out of "
-                        f"batch_argnums={self._batch_argnums} (it is then replicated)."
+                        f"multiple of {n}. Use such a batch size, leave the argument out of "
+                        f"batch_argnums={self._batch_argnums} (it is then replicated), or "
+                        "replicate this leaf with replicated_leaves=."
                     )
 
     def _summed(self, path: str) -> bool:
@@ -383,7 +421,7 @@ class DDPFunction:
             graphdef, keys, state = nnx.split(nodes, nnx.RngKey, ...)
             metric_leaves = _metric_leaves(nodes, state)
         others = tuple(None if i in node_positions else a for i, a in enumerate(args))
-        batch = self._batch_flags(args, node_positions)
+        batch = self._split_leaves(args, self._batch_flags(args, node_positions))
         self._check_batch(args, batch)
         leaves, treedef = jax.tree.flatten((keys, state, others))
         signature = (
@@ -476,6 +514,7 @@ def ddp(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     output_reduction: str | Callable[[str], str] = "mean",
+    replicated_leaves: Callable[[int, str], bool] | None = None,
 ) -> Any:
     """Makes your own step function data-parallel: use it where ``jax.jit`` / ``nnx.jit`` was.
 
@@ -513,6 +552,11 @@ def ddp(
         integers summed) or ``'sum'`` (added up: a sum of losses and its
         denominator, as lm1b's ``compute_metrics`` returns them); or a function
         of the output's key path (``jax.tree_util.keystr``) giving either.
+      replicated_leaves: ``fn(position, key_path) -> bool``: leaves of the batch
+        arguments to replicate instead of split (``key_path`` is the leaf's
+        ``jax.tree_util.keystr`` inside the argument at ``position``), such as
+        a decode cache's scalar ``cache_index`` beside its per-example keys
+        and values.
 
     Returns:
       The data-parallel function, called with the same arguments as ``fn``.
@@ -544,6 +588,7 @@ def ddp(
             static_argnums=static_argnums,
             static_argnames=static_argnames,
             output_reduction=output_reduction,
+            replicated_leaves=replicated_leaves,
         )
     if not callable(fn):
         raise TypeError(f"fdp.ddp: fn must be callable, got {type(fn).__name__}.")
@@ -563,4 +608,5 @@ def ddp(
         static_argnums=_check_argnums(static_argnums, "static_argnums"),
         static_argnames=_check_argnames(static_argnames),
         output_reduction=output_reduction,
+        replicated_leaves=replicated_leaves,
     )

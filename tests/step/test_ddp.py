@@ -320,3 +320,16 @@ def test_ddp_static_arguments_are_checked():
     step = fdp.ddp(lm_style_step, batch_argnums=1, static_argnums=2)
     with pytest.raises(TypeError, match=r"argument 2 \(config\) is static .* hashable"):
         step({"w": jnp.ones((6, 4))}, {"x": X, "y": Y}, {"lr": 0.1}, decay=0.0)
+
+
+def test_ddp_replicates_the_leaves_it_is_told_to_inside_a_batch():
+    def step(table, batch):  # a per-example part and a scalar beside it
+        return batch["rows"] * batch["index"] + table
+
+    rows, index = jnp.arange(32.0).reshape(16, 2), jnp.float32(3.0)
+    split_all = fdp.ddp(step, batch_argnums=1)
+    with pytest.raises(ValueError, match=r"\['index'\] has shape \(\).*replicated_leaves="):
+        split_all(jnp.ones(2), {"rows": rows, "index": index})
+    ddp = fdp.ddp(step, batch_argnums=1, replicated_leaves=lambda i, path: path == "['index']")
+    got = ddp(jnp.ones(2), {"rows": rows, "index": index})
+    np.testing.assert_array_equal(got, rows * 3.0 + 1.0)

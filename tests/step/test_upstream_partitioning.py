@@ -16,6 +16,7 @@ layouts.
 import chex
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -83,3 +84,37 @@ def test_lm1b_trains_with_its_partitioning_kept_and_ends_where_one_device_does()
     plain = fdp.TrainState.create(apply_fn=None, params=nn.unbox(boxed), tx=TX)
     want = reference_steps(plain, batches(), loss_fn)[0].params
     chex.assert_trees_all_close(jax.device_get(params), jax.device_get(want), rtol=1e-5, atol=1e-6)
+
+
+def test_lm1b_decodes_with_its_cache_under_fdp_ddp_as_under_jit():
+    # lm1b's decode step as its temperature sampler calls it: the cache's keys and values
+    # hold one row per sequence (split), its cache_index is a scalar (replicated).
+    decode = CONFIG.replace(decode=True)
+    model = lm1b.TransformerLM(decode)
+    params = nn.unbox(lm1b.TransformerLM(CONFIG).init(jax.random.key(0), batches()[0][:1]))[
+        "params"
+    ]
+    tokens = batches()[0]
+    cache = model.init(jax.random.key(1), jnp.ones(tokens.shape, jnp.int32))["cache"]
+
+    def decode_step(params, tokens, cache):
+        logits, new = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+        return logits, new["cache"]
+
+    plain = jax.jit(decode_step)
+    ddp = fdp.ddp(
+        decode_step,
+        batch_argnums=(1, 2),
+        replicated_leaves=lambda _, path: path.endswith("['cache_index']"),
+    )
+    want_cache = got_cache = cache
+    for t in range(3):  # three tokens, one at a time
+        want, want_cache = plain(params, tokens[:, t : t + 1], want_cache)
+        got, got_cache = ddp(params, tokens[:, t : t + 1], got_cache)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        jax.device_get(got_cache), jax.device_get(want_cache), rtol=1e-5, atol=1e-6
+    )
+    flat = jax.tree_util.tree_flatten_with_path(got_cache)[0]
+    indices = [int(x) for p, x in flat if jax.tree_util.keystr(p).endswith("['cache_index']")]
+    assert indices and set(indices) == {3}, indices  # each layer's, and the positions'
