@@ -15,6 +15,7 @@ import types
 import chex
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -88,3 +89,34 @@ def test_nnx_fdp_port_trains_with_per_device_batchnorm_and_dropout():
     assert history["train_accuracy"][-1] > 0.85
     for key, tol in (("train_accuracy", 0.03), ("test_accuracy", 0.1)):
         np.testing.assert_allclose(history[key][-1], reference[key][-1], atol=tol, err_msg=key)
+
+
+def test_lm1b_fdp_port_trains_as_the_one_device_original(monkeypatch):
+    # lm1b's train step as written, its model file unmodified; dropout off so that both
+    # draw nothing. Its batches are padded sequences of 2-16 tokens: the per-token mean
+    # over the whole batch is what reduce_gradients(weight=) reproduces. SGD, whose
+    # update is the gradient's: Adam's division by the root of its second moment turns
+    # the rounding of a gradient near zero into an update of either sign (one element of
+    # 2,048 ended 1.3e-5 apart, measured 2026-11-29), comparing summation orders.
+    monkeypatch.syspath_prepend(str(PORTING))
+    original, fdp_port = load("lm1b_original"), load("lm1b_fdp")
+    config = original.CONFIG.replace(dropout_rate=0.0, attention_dropout_rate=0.0)
+
+    def sgd(learning_rate_fn):
+        return optax.sgd(lambda step: 300 * learning_rate_fn(step), momentum=0.9)
+
+    logs = []
+    for module in (original, fdp_port):
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            state = module.train(steps=3, config=config, optimizer=sgd)
+        logs.append((state, stdout.getvalue()))
+    (want, want_log), (got, got_log) = logs
+    assert jax.tree.leaves(got.params)[0].sharding.num_devices == 8  # it ran on all 8
+    chex.assert_trees_all_close(
+        jax.device_get(got.params), jax.device_get(want.params), rtol=1e-5, atol=1e-6
+    )
+    assert got_log == want_log, (got_log, want_log)  # sum metrics summed over devices
+    assert changed("lm1b", "fdp") == (5, 2)
+    shown = "\n".join(diff("lm1b", "fdp"))
+    assert shown in DOC, f"docs/porting.md lacks the current lm1b_fdp diff:\n{shown}"

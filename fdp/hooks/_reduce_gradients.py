@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.collectives._axis import AxisName
 from fdp.hooks._basic import allreduce
-from fdp.hooks._bucketed import reduce_with_hook
+from fdp.hooks._bucketed import REDUCTION_TRACE, reduce_with_hook
 from fdp.hooks._contract import CommHook, Layout
 from fdp.hooks._registry import resolve
 
@@ -23,6 +24,7 @@ def reduce_gradients(
     first_bucket_cap_mb: float = 1.0,
     layout: Layout = "leaves",
     comm_hook: CommHook | str | None = None,
+    weight: Any = None,
 ) -> Any:
     """Averages per-device gradients over ``axis_name``, bucket by bucket.
 
@@ -51,6 +53,13 @@ def reduce_gradients(
         (:func:`fdp.hooks.allreduce`). A hook that keeps state between steps
         (PowerSGD's error feedback) needs that state carried:
         :func:`fdp.hooks.reduce_with_hook` takes and returns it.
+      weight: this device's weight (a scalar, e.g. its real-token count):
+        the devices' gradients are then averaged weighted by it,
+        ``sum_i w_i g_i / sum_i w_i`` (one more all-reduce, of the scalar).
+        With ``g_i`` the gradient of a device's per-token mean loss, that is
+        the gradient of the per-token mean over the whole batch, as one
+        device computes it (lm1b's, MaxText's and torchtitan's loss); the
+        plain mean weighs a device's short sequences' tokens more.
 
     Returns:
       The reduced gradients, identical on every device (the mean with the
@@ -91,5 +100,16 @@ def reduce_gradients(
             "`grads, state = fdp.hooks.reduce_with_hook(hook, state, grads, plan=plan)` "
             "(state from hook.init(params, plan)), or use fdp.train_step, which keeps it."
         )
+    trace = REDUCTION_TRACE.get()
+    typing_only = trace is not None and trace.typing_only  # fdp.ddp's first, typing trace
+    if weight is not None and not typing_only:  # each device's share: N * w_i / sum(w)
+        w = jnp.asarray(weight, jnp.float32)
+        scale = jax.lax.axis_size(axis_name) * w / jax.lax.psum(w, axis_name)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype) if _floating(g) else g, grads)
     reduced, _ = reduce_with_hook(hook, (), grads, axis_name=axis_name, plan=plan, layout=layout)
     return reduced
+
+
+def _floating(g: Any) -> bool:
+    """Whether ``g`` is a floating gradient (not a ``float0`` of an integer leaf)."""
+    return g.dtype != jax.dtypes.float0 and jnp.issubdtype(g.dtype, jnp.inexact)

@@ -1,6 +1,6 @@
 """Flax's own lm1b model, its logical partitioning kept by fdp on a (data x tensor) mesh.
 
-``tests/upstream/flax_lm1b_models.py`` is Flax's ``examples/lm1b/models.py``, unmodified.
+``examples/porting/lm1b_models.py`` is Flax's ``examples/lm1b/models.py``, unmodified.
 Its parameters declare logical axes; the rules are lm1b's own (configs/default.py), except
 that 'embed', which lm1b splits over its 'fsdp' axis, maps to no axis: fdp owns the data
 axis (stage 0 replicates there, ZeRO splits its own way), and a rule naming it makes Flax
@@ -13,6 +13,9 @@ one element in 2,048, measured on 2026-11-29): those compare summation orders, n
 layouts.
 """
 
+import importlib.util
+import pathlib
+
 import chex
 import flax.linen as nn
 import jax
@@ -23,9 +26,13 @@ import pytest
 from _models import reference_steps
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from upstream import flax_lm1b_models as lm1b
 
 import fdp
+
+PORTING = pathlib.Path(__file__).resolve().parents[2] / "examples" / "porting"
+_spec = importlib.util.spec_from_file_location("lm1b_models", PORTING / "lm1b_models.py")
+lm1b = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lm1b)
 
 TX = optax.sgd(0.1, momentum=0.9)
 RULES = (("mlp", "tensor"), ("vocab", "tensor"), ("embed", None), ("heads", "tensor"))
