@@ -223,19 +223,25 @@ class NNXDataParallelStep(Step):
         self._holder_given = True
         return holder
 
+    def _agree_objects(
+        self,
+        at: str,
+        plan: StepPlan | None,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        **args: Any,
+    ) -> None:
+        """:meth:`_agree` on the objects' state and settings, and ``args``."""
+        state = nnx.state((model, optimizer))
+        self._agree(at, plan, optimizer=_optimizer(model, optimizer), state=state, **args)
+
     def _check_and_place(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any
     ) -> BucketPlan | None:
         """Checks and places the objects; the buckets of ``batch``'s plan (None without one)."""
         _check_optimizer(optimizer)
         plan = None if batch is None else self._plan(model, optimizer, batch, None)
-        self._agree(
-            "init",
-            plan,
-            optimizer=_optimizer(model, optimizer),
-            state=nnx.state((model, optimizer)),
-            batch=batch,
-        )
+        self._agree_objects("init", plan, model, optimizer, batch=batch)
         if not self._placed:
             self._place(model, optimizer)
             self._placed = True
@@ -418,14 +424,7 @@ class NNXDataParallelStep(Step):
         if not ready:
             with heartbeat.compiling():  # it traces: never a hang for fdp launch
                 first = self._plan(model, optimizer, batch, mask)
-            self._agree(
-                "call",
-                first,
-                optimizer=_optimizer(model, optimizer),
-                state=nnx.state((model, optimizer)),
-                batch=batch,
-                mask=mask,
-            )
+            self._agree_objects("call", first, model, optimizer, batch=batch, mask=mask)
             with heartbeat.compiling():
                 if not self._placed:
                     self._place(model, optimizer)

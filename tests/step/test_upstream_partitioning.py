@@ -15,6 +15,7 @@ layouts.
 
 import importlib.util
 import pathlib
+import sys
 
 import chex
 import flax.linen as nn
@@ -30,25 +31,23 @@ from jax.sharding import PartitionSpec as P
 import fdp
 
 PORTING = pathlib.Path(__file__).resolve().parents[2] / "examples" / "porting"
-_spec = importlib.util.spec_from_file_location("lm1b_models", PORTING / "lm1b_models.py")
-lm1b = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lm1b)
 
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, PORTING / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # lm1b_original imports lm1b_models by name, as lm1b does
+    spec.loader.exec_module(module)
+    return module
+
+
+lm1b = _load("lm1b_models")
+# The port's config (docs/porting.md), its dropout off: one device draws no masks either.
+CONFIG = _load("lm1b_original").CONFIG.replace(
+    dropout_rate=0.0, attention_dropout_rate=0.0, deterministic=True
+)
 TX = optax.sgd(0.1, momentum=0.9)
 RULES = (("mlp", "tensor"), ("vocab", "tensor"), ("embed", None), ("heads", "tensor"))
-CONFIG = lm1b.TransformerConfig(
-    vocab_size=64,
-    output_vocab_size=64,
-    emb_dim=32,
-    num_heads=4,
-    num_layers=2,
-    qkv_dim=32,
-    mlp_dim=64,
-    max_len=16,
-    dropout_rate=0.0,
-    attention_dropout_rate=0.0,
-    deterministic=True,
-)
 
 
 def loss_fn(params, batch):
