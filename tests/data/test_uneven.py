@@ -110,6 +110,20 @@ def test_data_parallel_inference_with_uneven_batches(size):
     np.testing.assert_allclose(out, init.apply_fn({"params": init.params}, x), rtol=1e-5, atol=1e-6)
 
 
+def test_data_parallel_passes_more_arguments_whole_to_every_device():
+    init = make_state("cnn", "sgd")
+    x = make_data(3, 13)["x"]
+
+    def scaled(p, b, temperature, bias):  # a sampler's temperature, a table: not split
+        return init.apply_fn({"params": p}, b) / temperature + bias
+
+    apply = fdp.data_parallel(scaled)
+    bias = jnp.arange(10.0)
+    out = apply(init.params, x, jnp.float32(2.0), bias)
+    want = init.apply_fn({"params": init.params}, x) / 2.0 + bias
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_uneven_input_is_a_clear_error():
     init = make_state("mlp", "sgd")
     mean_loss = lambda p, b: per_example(init.apply_fn)(p, b).mean()  # noqa: E731
