@@ -245,8 +245,11 @@ class Watchdog:
                 w.behind_since = now
 
     def _triggered(self, live: list[_Watched], now: float) -> str | None:
-        """Which evidence holds long enough: ``'hang'``, ``'probe'`` (read the stacks
-        for a host callback), ``'idle'`` (a pause past ``idle_timeout``), or None."""
+        """Which evidence held long enough, if any.
+
+        ``'hang'``; ``'probe'``: read the stacks for a host callback; ``'idle'``: a
+        pause past ``idle_timeout``; None.
+        """
         if any(w.stopped_since is not None and now - w.stopped_since >= self.timeout for w in live):
             return "hang"
         if any(w.behind_since is not None and now - w.behind_since >= self.timeout for w in live):
