@@ -74,3 +74,31 @@ def test_a_rank_sleeping_while_its_peer_waits_in_the_step_is_named(tmp_path, mar
     assert "while rank(s) 0 waited in step 4" in cause
     assert "stopped by" not in cause.split("stopped after the failure", 1)[0]
     assert HANG_TIMEOUT <= seconds_to_exit(out, tmp_path) < HANG_TIMEOUT + BOUND < 90
+
+
+def test_busy_is_in_the_heartbeat_while_any_section_is_open(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from fdp import runtime
+    from fdp.runtime import _heartbeat
+
+    path = tmp_path / "rank_0.heartbeat"
+    monkeypatch.setenv(_heartbeat.HEARTBEAT_VAR, str(path))
+    for key in ("pid", "fd", "busy", "flag"):
+        monkeypatch.setitem(_heartbeat._state, key, _heartbeat._state[key])
+    _heartbeat._state["pid"] = None  # opens the file named above
+    try:
+        with runtime.busy():
+            assert _heartbeat.read(str(path)).busy
+            with _heartbeat.compiling(), runtime.busy():  # nested, with another flag
+                beat = _heartbeat.read(str(path))
+                assert beat.busy and beat.compiling
+            assert _heartbeat.read(str(path)).busy  # the outer section is still open
+            inner = threading.Thread(target=runtime.busy()(lambda: None))  # a decorator too
+            inner.start()
+            inner.join()
+            assert _heartbeat.read(str(path)).busy
+        assert not _heartbeat.read(str(path)).busy
+    finally:
+        os.close(_heartbeat._state["fd"])
