@@ -102,3 +102,22 @@ def test_busy_is_in_the_heartbeat_while_any_section_is_open(tmp_path, monkeypatc
         assert not _heartbeat.read(str(path)).busy
     finally:
         os.close(_heartbeat._state["fd"])
+
+
+def test_checkpoint_saves_and_restores_are_busy(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    import fdp
+    from fdp.runtime import _heartbeat
+
+    seen = []
+    monkeypatch.setattr(_heartbeat, "_write", lambda: seen.append(_heartbeat._state["busy"]))
+    state = {"w": jnp.arange(4.0)}
+    with fdp.CheckpointManager(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(1, state)
+        assert seen[:1] == [1]  # busy() from its start (and in its background write)
+        ckpt.wait_until_finished()
+        assert seen[-1] == 0 and _heartbeat._state["busy"] == 0
+        seen.clear()
+        ckpt.restore(state)
+        assert seen[:1] == [1] and seen[-1] == 0
