@@ -300,10 +300,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     eval_batches = [fdp.shard_batch(local_rows(b)) for b in held_out_batches(held_out, args)]
 
     def evaluate() -> float:
-        model.eval()  # no dropout (a flag in the graphdef, so compiled once per mode)
-        losses = [eval_loss(nnx.graphdef(model), nnx.state(model), b) for b in eval_batches]
-        model.train()
-        return float(np.mean([float(x) for x in losses]))
+        # busy(): under fdp launch, a long evaluation is a pause, never taken for a hang.
+        with fdp.runtime.busy():
+            model.eval()  # no dropout (a flag in the graphdef, so compiled once per mode)
+            losses = [eval_loss(nnx.graphdef(model), nnx.state(model), b) for b in eval_batches]
+            model.train()
+            return float(np.mean([float(x) for x in losses]))
 
     losses: list[float] = []
     timed_steps, elapsed = 0, 0.0

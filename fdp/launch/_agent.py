@@ -27,7 +27,7 @@ from fdp.launch import _env, _output, _summary
 from fdp.launch._bootstrap import STACK_SIGNAL
 from fdp.launch._config import LaunchConfig
 from fdp.launch._output import Output
-from fdp.launch._watchdog import Hang, Watchdog
+from fdp.launch._watchdog import Hang, Watchdog, process_state
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -69,21 +69,26 @@ class WorkerGroup:
         if not self.cfg.hang_timeout:
             return None
         files = [(w.rank, w.proc.pid, self._file(w.rank, "heartbeat")) for w in self.workers]
-        return Watchdog(self.cfg.hang_timeout, files)
+        return Watchdog(self.cfg.hang_timeout, files, idle_timeout=self.cfg.idle_timeout)
 
     def dump_stacks(self, ranks: list[int], wait: float = 2.0) -> dict[int, str]:
         """Asks workers ``ranks`` for their Python stacks, all at once, and returns them.
 
-        A stopped worker is continued to run the handler. Each one's dump is
-        read once written and no longer growing, or after ``wait`` seconds.
+        A stopped worker is continued to run the handler (a running one never
+        gets SIGCONT: the watchdog also asks during a pause, to look for a host
+        callback). Each one's dump replaces the last, and is read once written
+        and no longer growing, or after ``wait`` seconds.
         """
         asked = []
         for w in self.workers:
             if w.rank not in ranks or STACK_SIGNAL is None or w.exit is not None:
                 continue
+            with contextlib.suppress(OSError):
+                os.truncate(self._file(w.rank, "stack"), 0)  # the worker appends (O_APPEND)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(w.proc.pid, STACK_SIGNAL)
-                os.kill(w.proc.pid, signal.SIGCONT)  # a stopped process runs the handler
+                if process_state(w.proc.pid) in ("T", "t"):
+                    os.kill(w.proc.pid, signal.SIGCONT)  # a stopped process runs the handler
                 asked.append(w.rank)
         sizes = {r: -1 for r in asked}
         deadline = time.monotonic() + wait

@@ -8,7 +8,8 @@ the script configures them. It
   process ends, so no worker outlives ``fdp launch``, even one killed by SIGKILL;
 - writes the Python stack of every thread to ``FDP_STACK_FILE`` when it gets
   :data:`STACK_SIGNAL` (``faulthandler``), which the agent sends every worker
-  when it finds a hang, to see who is stuck where (a host callback);
+  when it finds a hang, or once a pause has lasted ``--hang-timeout``, to see
+  who is stuck where (a host callback);
 - pins itself to its share of CPU cores (``FDP_CPU_AFFINITY``) before any
   thread pool sizes itself from the core count;
 - runs the script as ``python script.py`` would (``__main__``, ``sys.argv``,
@@ -72,7 +73,9 @@ def _dump_stack_on_signal() -> None:
     # A descriptor, not a file object: open for the life of the process, it is closed
     # by the exit itself (a file object would warn ResourceWarning at teardown).
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # O_APPEND: each dump starts where the agent truncated the file (it may ask twice).
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
     except OSError:
         return
     try:

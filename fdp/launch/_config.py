@@ -31,11 +31,17 @@ class LaunchConfig:
         host (by default derived from the coordinator's address and the sizes).
       monitor_interval: seconds between checks of the workers.
       grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
-      hang_timeout: seconds a worker may hold up a peer that waits for it (or,
-        after the first step, every worker make no progress, or one stay stopped
-        by a signal) before it is declared hung and the group is stopped;
-        compiling and the exit after the script never count; 0 turns hang
-        detection off.
+      hang_timeout: seconds a worker may hold up a peer that waits for it (in a
+        step, a host collective, at a store key, before the first step), stay
+        stopped by a signal, or block in a host callback inside a step, before
+        it is declared hung and the group is stopped; compiling and the exit
+        after the script never count; 0 turns hang detection off (the idle
+        limit too).
+      idle_timeout: seconds a pause with no such evidence (every worker alive,
+        between steps or all in one step, none waiting for a peer: an
+        evaluation, a synchronous checkpoint) may last after the first step
+        before it counts as a hang; never while a worker is inside
+        ``fdp.runtime.busy()``; 0: never.
       bind_gpus: give each local worker its own GPU(s) via
         ``CUDA_VISIBLE_DEVICES`` when the host has GPUs.
       bind_cpus: without GPUs, pin each local worker to its share of CPU cores
@@ -58,6 +64,7 @@ class LaunchConfig:
     monitor_interval: float = 0.1
     grace_period: float = 5.0
     hang_timeout: float = 30.0
+    idle_timeout: float = 600.0
     bind_gpus: bool = True
     bind_cpus: bool = True
 
@@ -99,6 +106,10 @@ class LaunchConfig:
         need(
             self.hang_timeout >= 0 and self.hang_timeout != float("inf"),
             f"--hang-timeout must be a number of seconds >= 0 (0: off), got {self.hang_timeout}.",
+        )
+        need(
+            self.idle_timeout >= 0 and self.idle_timeout != float("inf"),
+            f"--idle-timeout must be a number of seconds >= 0 (0: never), got {self.idle_timeout}.",
         )
 
     @property
@@ -225,9 +236,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds a worker may hold up a waiting peer (or every worker make no progress "
-        "after the first step, or one stay stopped) before it is declared hung and the group "
-        "stopped; compiling and the exit never count; 0: off (default: %(default)s)",
+        help="seconds a worker may hold up a peer that waits for it (in a step, a host "
+        "collective, at a store key), stay stopped, or block in a host callback before it is "
+        "declared hung and the group stopped; compiling and the exit never count; 0: off, "
+        "with the idle limit (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        "--idle_timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds a pause with no evidence of a hang (every worker alive and between "
+        "steps, none waiting for a peer: an evaluation, a checkpoint) may last before it "
+        "counts as one, as NCCL's 10-minute watchdog; never while a worker is inside "
+        "fdp.runtime.busy(); 0: never (default: %(default)s)",
     )
     parser.add_argument(
         "--no-gpu-binding",
@@ -288,6 +311,7 @@ def from_namespace(args: argparse.Namespace) -> LaunchConfig:
         monitor_interval=args.monitor_interval,
         grace_period=args.grace_period,
         hang_timeout=args.hang_timeout,
+        idle_timeout=args.idle_timeout,
         bind_gpus=args.bind_gpus,
         bind_cpus=args.bind_cpus,
     )

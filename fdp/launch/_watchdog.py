@@ -5,25 +5,35 @@ loop, a blocking host callback, a process stopped by SIGSTOP or a debugger) is
 not dead, and its peers soon wait for it in a collective, so every worker goes
 quiet. Each worker records where it is in a heartbeat file
 (:mod:`fdp.runtime._heartbeat`): the steps it entered and finished, whether it is
-tracing and compiling, what it waits for outside the compiled program, and that
-its script returned. The agent declares a hang from that evidence, never from
-silence alone:
+tracing and compiling, what it waits for outside the compiled program, whether
+it said it is busy (``fdp.runtime.busy``), and that its script returned. The
+agent declares a hang from evidence, never from silence alone. After
+``timeout`` seconds (``--hang-timeout``) of it:
 
-- a worker stopped for ``timeout`` seconds: its ``/proc`` state is ``T`` (a
-  signal: SIGSTOP, SIGTSTP) or ``t`` (a debugger's ptrace stop), and only then
-  does a message say "stopped";
+- a worker stopped: its ``/proc`` state is ``T`` (a signal: SIGSTOP, SIGTSTP)
+  or ``t`` (a debugger's ptrace stop), and only then does a message say "stopped";
 - a worker *behind*: a peer finished (or waits inside) a step that this worker
-  has not entered, and this worker entered no new step for ``timeout`` seconds
-  (a worker that never reaches its first step while its peers wait is one);
-- no worker made progress for ``timeout`` seconds after its first step.
+  has not entered, or waits for it at a store key or host collective, and this
+  worker made no move (a worker that never reaches its first step while its
+  peers wait is one);
+- every worker quiet while one waits at a store key or host collective (peers
+  waiting for what no one will do: different keys, a deadlock);
+- every worker quiet, and one of them blocked in a host callback (read from
+  the Python stacks of every worker, which the agent asks for once a pause
+  has lasted ``timeout``, unless a worker is busy or stopped).
+
+A pause with no such evidence (every worker alive and between steps, or all
+inside one step, none waiting for a peer) is an evaluation or a synchronous
+checkpoint as often as a hang: it counts only after ``idle_timeout`` seconds
+(``--idle-timeout``, 10 minutes by default, as NCCL's watchdog in a collective),
+and never while a worker is inside ``fdp.runtime.busy()``.
 
 Compiling never counts: while any worker traces and compiles (a step's first
 call for its shapes) no one is quiet, and a worker that entered the step is not
 behind. Nor does the exit after the last step (the script returned). The worker
-blamed is, in order: a stopped one, the one behind (fewest steps entered, then
-finished), one blocked in a host callback inside the compiled step (read from
-the Python stacks of every worker, which the agent asks for when it finds a
-hang), then the one quiet the longest. :meth:`Hang.table` shows every worker's state.
+blamed is, in order: a stopped one, the one behind, one blocked in a host
+callback, then the one that entered and finished the fewest steps, quiet the
+longest. :meth:`Hang.table` shows every worker's state.
 """
 
 from __future__ import annotations
@@ -195,14 +205,24 @@ class Watchdog:
     """Watches one attempt's workers for a hang.
 
     Args:
-      timeout: seconds of a hang's evidence (behind, quiet or stopped) before it counts.
+      timeout: seconds of a hang's evidence (behind, stopped, waiting, in a host
+        callback) before it counts.
       workers: ``(rank, pid, heartbeat file)`` of each worker.
+      idle_timeout: seconds a pause without evidence (every worker alive, quiet,
+        none busy) may last before it counts; 0: never.
     """
 
-    def __init__(self, timeout: float, workers: Sequence[tuple[int, int, str]]):
-        self.timeout = timeout
+    def __init__(
+        self,
+        timeout: float,
+        workers: Sequence[tuple[int, int, str]],
+        *,
+        idle_timeout: float = 600.0,
+    ):
+        self.timeout, self.idle_timeout = timeout, idle_timeout
         now = time.monotonic()
         self._workers = [_Watched(rank, pid, path, changed=now) for rank, pid, path in workers]
+        self._probed = float("-inf")  # when the stacks were last read for a host callback
 
     def _update(self, live: list[_Watched], now: float) -> None:
         for w in live:
@@ -224,17 +244,36 @@ class Watchdog:
             elif w.behind_since is None:
                 w.behind_since = now
 
-    def _triggered(self, live: list[_Watched], now: float) -> bool:
+    def _triggered(self, live: list[_Watched], now: float) -> str | None:
+        """Which evidence held long enough, if any.
+
+        ``'hang'``; ``'probe'``: read the stacks for a host callback; ``'idle'``: a
+        pause past ``idle_timeout``; None.
+        """
         if any(w.stopped_since is not None and now - w.stopped_since >= self.timeout for w in live):
-            return True
+            return "hang"
         if any(w.behind_since is not None and now - w.behind_since >= self.timeout for w in live):
-            return True
+            return "hang"
         active = [w for w in live if not w.exiting]
         if not active or any(w.compiling for w in live):
-            return False
+            return None
         if not any(w.beat.finished for w in active):
-            return False  # nothing has stepped yet: start-up
-        return now - max(w.changed for w in live) >= self.timeout
+            return None  # nothing has stepped yet: start-up
+        since = max(w.changed for w in live)
+        if now - since < self.timeout:
+            return None
+        if any(w.beat.waiting for w in active):
+            return "hang"  # it waits for peers that are quiet too: for nothing
+        if any(w.beat.busy or w.stopped_since is not None for w in active):
+            return None  # busy: a pause; stopped: a hang once it has lasted `timeout`
+        # One look at the stacks per `timeout` of a pause, not one per check.
+        if self._probed < since or now - self._probed >= self.timeout:
+            self._probed = now
+            return "probe"
+        return "idle" if self._idle(live, now) else None
+
+    def _idle(self, live: list[_Watched], now: float) -> bool:
+        return bool(self.idle_timeout) and now - max(w.changed for w in live) >= self.idle_timeout
 
     def check(
         self,
@@ -244,31 +283,37 @@ class Watchdog:
         """The hung worker to blame, or ``None``; ``running`` are the ranks still running.
 
         ``stacks`` returns the Python stacks of the given ranks; it is called
-        once a hang is found, for the evidence of a host callback and the table.
+        once a hang is found, for the evidence of a host callback and the table,
+        and once a pause has lasted ``timeout``, to look for a host callback.
         """
         now = time.monotonic()
         live = [w for w in self._workers if w.rank in running]
         self._update(live, now)
-        if not self._triggered(live, now):
+        reason = self._triggered(live, now)
+        if reason is None:
             return None
         dumps = dict(stacks([w.rank for w in live])) if stacks else {}
         inside = {
             w.rank: None if w.compiling else callback_frame(dumps.get(w.rank, "")) for w in live
         }
+        if reason == "probe" and all(frame is None for frame in inside.values()):
+            if not self._idle(live, now):
+                return None  # a pause, not (yet) a hang: idle_timeout decides
+            reason = "idle"
         candidates = [w for w in live if not w.exiting] or live
         blamed = min(
             candidates,
             key=lambda w: (
                 w.stopped_since is None,
                 w.behind_since is None,
+                inside[w.rank] is None,
                 w.beat.entered,
                 w.beat.finished,
-                inside[w.rank] is None,
                 w.changed,
                 w.rank,
             ),
         )
-        why, quiet = self._why(blamed, live, inside[blamed.rank], now)
+        why, quiet = self._why(blamed, live, inside[blamed.rank], now, idle=reason == "idle")
         return Hang(
             blamed.rank,
             blamed.beat.finished,
@@ -279,7 +324,7 @@ class Watchdog:
         )
 
     def _why(
-        self, w: _Watched, live: list[_Watched], callback: str | None, now: float
+        self, w: _Watched, live: list[_Watched], callback: str | None, now: float, *, idle: bool
     ) -> tuple[str, float]:
         """What the evidence says of the blamed worker, and how long it has held the others up."""
         steps = w.beat.finished
@@ -310,9 +355,21 @@ class Watchdog:
         what = f"completed no step for {quiet:.1f} s {after}"
         if callback is not None:
             return f"{what}: it is blocked in a host callback ({callback}) inside the step", quiet
+        waiting = sorted({p.beat.waiting for p in live if p.beat.waiting and not p.exiting})
+        if not idle and waiting:
+            return (
+                f"{what}, while every worker was quiet and some waited for their peers at "
+                f"{', '.join(waiting)} (no worker is behind, stopped or in a host callback: "
+                "blamed as the one with the fewest steps, of the lowest rank; see every "
+                "worker's state below)",
+                quiet,
+            )
         return (
-            f"{what} (no worker is behind, stopped or in a host callback: blamed as the "
-            "quiet one of the lowest rank; see every worker's state below)",
+            f"{what}, nor did any other worker: a pause past the --idle-timeout of "
+            f"{self.idle_timeout:g} s (no worker is behind, stopped, busy or in a host "
+            "callback: blamed as the one with the fewest steps, of the lowest rank; see every "
+            "worker's state below; wrap long evaluations or checkpoints in "
+            "fdp.runtime.busy())",
             quiet,
         )
 
@@ -352,6 +409,8 @@ def _where(w: _Watched, running: bool, callback: str | None) -> str:
         where = f"between steps {beat.finished} and {beat.finished + 1}"
     else:
         where = "before its first step"
+    if beat.busy:
+        where += ", busy"
     if beat.waiting:
         where += f", waiting for {beat.waiting}"
     if callback is not None:

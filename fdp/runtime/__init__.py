@@ -7,6 +7,7 @@ single process everything here works too, and returns at once.
 """
 
 from fdp.runtime._consistency import check_consistent as check_consistent
+from fdp.runtime._heartbeat import busy as busy
 from fdp.runtime._host import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from fdp.runtime._host import all_gather_object as all_gather_object
 from fdp.runtime._host import barrier as barrier
@@ -28,6 +29,7 @@ __all__ = [
     "all_gather_object",
     "barrier",
     "broadcast_object",
+    "busy",
     "check_consistent",
     "init",
     "local_rank",

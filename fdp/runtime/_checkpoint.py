@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 
 from fdp.runtime import _ckpt_files, _ckpt_legacy, _ckpt_tree
+from fdp.runtime._heartbeat import busy
 from fdp.runtime._host import barrier, broadcast_object
 
 _log = logging.getLogger("fdp.checkpoint")
@@ -155,6 +156,7 @@ class CheckpointManager:
         """The directory of checkpoint ``step``."""
         return os.path.join(self.directory, str(step))
 
+    @busy()  # for fdp launch: a checkpoint is a pause between steps, not a hang
     def save(
         self,
         step: int,
@@ -264,6 +266,7 @@ class CheckpointManager:
             _ckpt_files.remove(self.step_dir(s))
         _ckpt_files.remove_leftovers(self.directory)
 
+    @busy()
     def _complete_when_written(self, step: int, retiring: list[int]) -> None:
         try:
             self._manager.wait_until_finished()
@@ -271,6 +274,7 @@ class CheckpointManager:
         except BaseException as e:  # raised in the caller's thread by _finish_writes
             self._writer_error = e
 
+    @busy()
     def _finish_writes(self) -> None:
         """Waits for a background save and its checksums; raises what went wrong in it.
 
@@ -375,6 +379,7 @@ class CheckpointManager:
             f"{self.directory}: {damaged}. Nothing was loaded. {fix}."
         )
 
+    @busy()
     def restore(
         self, template: Any, *, step: int | None = None, data_iterator: Any = None
     ) -> Restored:

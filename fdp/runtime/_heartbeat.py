@@ -3,16 +3,18 @@
 The agent names a file in ``FDP_HEARTBEAT_FILE``; a worker overwrites it (one
 ``pwrite`` of 128 bytes, a few microseconds) each time it enters a step, leaves
 one, starts or stops waiting for its peers outside the compiled program (a store
-key, a barrier), and when its script has returned. The agent reads the files to
+key, a host collective), enters or leaves :func:`busy` (an evaluation, a
+checkpoint), and when its script has returned. The agent reads the files to
 tell the worker that holds the others up (one that did not enter the step its
 peers wait in) from the peers that wait for it, to leave compiling and the exit
 after the last step alone, and to report where every worker was
 (:mod:`fdp.launch._watchdog`). Outside the launcher (no variable) nothing is written.
 
-The record is one line: ``ENTERED FINISHED FLAG WRITES [WAITING FOR...]``, where
-``FLAG`` is ``-``, ``c`` (tracing and compiling: a step's first call for its
-shapes, or ``lower``) or ``x`` (the script returned: the process is exiting), and
-``WRITES`` counts the records written, so that any activity shows.
+The record is one line: ``ENTERED FINISHED FLAGS WRITES [WAITING FOR...]``, where
+``FLAGS`` is ``-`` (none) or letters: ``c`` (tracing and compiling: a step's first
+call for its shapes, or ``lower``) or ``x`` (the script returned: the process is
+exiting), and ``b`` (inside :func:`busy`); ``WRITES`` counts the records written,
+so that any activity shows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 
 HEARTBEAT_VAR = "FDP_HEARTBEAT_FILE"
 _SIZE = 128
+_busy_lock = threading.Lock()
 
 _state: dict = {
     "entered": 0,
@@ -32,6 +35,7 @@ _state: dict = {
     "flag": "-",
     "waiting": "",
     "writes": 0,
+    "busy": 0,  # busy() sections open, on any thread
     "fd": None,
     "pid": None,
 }
@@ -48,6 +52,7 @@ class Beat:
       exiting: its script returned; it is shutting down.
       waiting: what it waits for outside the compiled program (``''``: nothing).
       writes: records it wrote (any change of where it is).
+      busy: it is inside :func:`busy` (an evaluation, a checkpoint): a pause, not a hang.
     """
 
     entered: int
@@ -56,6 +61,7 @@ class Beat:
     exiting: bool = False
     waiting: str = ""
     writes: int = 0
+    busy: bool = False
 
     @property
     def inside(self) -> bool:
@@ -83,7 +89,8 @@ def _write() -> None:
         return
     s = _state
     s["writes"] += 1  # any change shows, even one undone before the agent reads
-    line = f"{s['entered']} {s['finished']} {s['flag']} {s['writes']} {s['waiting']}"
+    flags = s["flag"].strip("-") + ("b" if s["busy"] else "") or "-"
+    line = f"{s['entered']} {s['finished']} {flags} {s['writes']} {s['waiting']}"
     data = line.encode("ascii", "replace")[: _SIZE - 1].ljust(_SIZE - 1) + b"\n"
     try:
         os.pwrite(fd, data, 0)
@@ -154,6 +161,36 @@ def waiting(what: str) -> Iterator[None]:
         _write()
 
 
+@contextlib.contextmanager
+def busy() -> Iterator[None]:
+    """Says, while inside, that this process is busy outside the steps, not hung.
+
+    ``fdp launch`` takes a pause in which every worker is alive and between steps
+    (none waiting for a peer) for a hang only after ``--idle-timeout`` (10
+    minutes by default); while any worker is inside ``busy()``, never. Wrap
+    what may take longer: an evaluation, a checkpoint (fdp's
+    :class:`~fdp.CheckpointManager` does so itself), data that every process
+    prepares. A worker that is stopped, or one its peers wait for in a step or
+    a host collective for ``--hang-timeout``, is still hung, busy or not.
+    Sections nest, may be opened on any thread, and cost one ``pwrite`` each way
+    under the launcher (nothing outside it). Also a decorator.
+
+    Example:
+      >>> from fdp import runtime
+      >>> with runtime.busy():  # e.g. an evaluation on every process
+      ...     accuracy = 0.9
+    """
+    with _busy_lock:
+        _state["busy"] += 1
+        _write()
+    try:
+        yield
+    finally:
+        with _busy_lock:
+            _state["busy"] -= 1
+            _write()
+
+
 def exiting() -> None:
     """Records that the script returned: what follows is the process's exit, never a hang."""
     _state["flag"] = "x"
@@ -168,17 +205,25 @@ def parse(text: bytes) -> Beat | None:
     Example:
       >>> parse(b"4 3 - 12 store key 'host/1'\n")  # doctest: +NORMALIZE_WHITESPACE
       Beat(entered=4, finished=3, compiling=False, exiting=False,
-           waiting="store key 'host/1'", writes=12)
-      >>> parse(b"7\n").finished, parse(b"") is None
-      (7, True)
+           waiting="store key 'host/1'", writes=12, busy=False)
+      >>> parse(b"7\n").finished, parse(b"5 5 cb 9").busy, parse(b"") is None
+      (7, True, True)
     """
     fields = text.decode("ascii", "replace").strip().split(maxsplit=4)
     if len(fields) == 1 and fields[0].isdigit():
         return Beat(int(fields[0]), int(fields[0]))
     if len(fields) < 4 or not all(f.isdigit() for f in (fields[0], fields[1], fields[3])):
         return None
-    flag, waiting = fields[2], fields[4] if len(fields) > 4 else ""
-    return Beat(int(fields[0]), int(fields[1]), flag == "c", flag == "x", waiting, int(fields[3]))
+    flags, waiting = fields[2], fields[4] if len(fields) > 4 else ""
+    return Beat(
+        int(fields[0]),
+        int(fields[1]),
+        "c" in flags,
+        "x" in flags,
+        waiting,
+        int(fields[3]),
+        "b" in flags,
+    )
 
 
 def read(path: str) -> Beat | None:

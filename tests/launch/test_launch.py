@@ -532,10 +532,57 @@ def test_the_watchdog_never_takes_compiling_or_the_exit_for_a_hang(tmp_path):
     _beat(beats[1], 5, 5, "-", 3)  # one is still in its script: a pause, then a hang
     dog.check({0, 1})
     time.sleep(0.4)
+    assert dog.check({0, 1}) is None  # a pause without evidence: not before idle_timeout
+    dog.idle_timeout = 0.3
     hang = dog.check({0, 1})
     assert hang is not None
     assert (hang.rank, hang.steps) == (1, 5)
     assert hang.describe().startswith("hung: it completed no step for 0.")
+    assert "a pause past the --idle-timeout of 0.3 s" in hang.describe()
+
+
+def test_the_watchdog_takes_a_quiet_pause_for_a_hang_only_with_evidence(tmp_path):
+    """Issue 44: a pause of every worker between steps was a hang after --hang-timeout."""
+    from fdp.launch._watchdog import Watchdog
+
+    beats = {r: tmp_path / f"rank_{r}.heartbeat" for r in (0, 1)}
+    dog = Watchdog(0.3, [(r, os.getpid(), str(p)) for r, p in beats.items()], idle_timeout=0.8)
+    asked = []
+
+    def stacks(ranks):
+        asked.append(ranks)
+        return {}
+
+    for r in (0, 1):
+        _beat(beats[r], 3, 3)  # both between steps 3 and 4: an evaluation
+    dog.check({0, 1}, stacks)
+    time.sleep(0.4)
+    assert dog.check({0, 1}, stacks) is None and asked == [[0, 1]]  # looked for a callback
+    assert dog.check({0, 1}, stacks) is None and len(asked) == 1  # once per timeout
+    _beat(beats[1], 3, 3, "b", 2)  # rank 1 says it is busy: never a hang, however long
+    dog.check({0, 1}, stacks)
+    time.sleep(0.9)
+    assert dog.check({0, 1}, stacks) is None
+    _beat(beats[1], 3, 3, "-", 3)  # no longer busy: a hang past the idle limit
+    dog.check({0, 1}, stacks)
+    time.sleep(0.9)
+    hang = dog.check({0, 1}, stacks)
+    assert hang is not None and hang.rank == 0
+    assert "a pause past the --idle-timeout of 0.8 s" in hang.describe()
+    _beat(beats[0], 3, 3, "b", 2)  # busy, yet its peer waits at a host collective: a hang
+    _beat(beats[1], 3, 3, "-", 4, "fdp.runtime.barrier")
+    dog.check({0, 1}, stacks)
+    time.sleep(0.4)
+    hang = dog.check({0, 1}, stacks)
+    assert hang is not None and hang.rank == 0
+    assert "while rank(s) 1 waited at fdp.runtime.barrier" in hang.describe()
+    assert "busy" in hang.table[1]
+    for r in (0, 1):  # both wait, for different keys: a deadlock, a hang after `timeout`
+        _beat(beats[r], 3, 3, "-", 9, f"store key 'k{r}'")
+    dog.check({0, 1}, stacks)
+    time.sleep(0.4)
+    hang = dog.check({0, 1}, stacks)
+    assert hang is not None and "some waited for their peers at store key 'k0'" in hang.describe()
 
 
 def test_every_host_of_a_multi_node_run_gets_the_same_run_id():

@@ -1,6 +1,6 @@
 """A small data-parallel training loop in which one rank misbehaves (for fault tests).
 
-    faulty.py MODE RANK STEP OUTDIR
+    faulty.py MODE RANK STEP OUTDIR [PAUSE]
 
 After its step STEP, rank RANK writes the time to OUTDIR/fault and then, by MODE:
 `stop` (SIGSTOP to itself: a hang), `kill` (SIGKILL), `raise` (an exception), or
@@ -16,9 +16,17 @@ step STEP seconds after its peers, and takes 4 x STEP seconds more to trace it: 
 loading and compiling, not a hang), `latecompile` (the same at step 4, where every rank
 compiles again for a new batch size), `slowexit` (rank RANK takes STEP seconds to exit
 after its last step). In these modes every rank stops after step 5.
+
+Modes about pauses, of PAUSE seconds (default 90): `pause` (every rank sleeps between
+its steps STEP and STEP + 1: an evaluation, a synchronous checkpoint; not a hang),
+`busy` (the same inside `fdp.runtime.busy()`), `sleep` (rank RANK sleeps there, not
+stopped, while its peers go on and wait for it inside step STEP + 1: a hang), and
+`sleepbusy` (the same inside `fdp.runtime.busy()`: still a hang). Every rank writes
+the time to OUTDIR/fault as it begins the pause, and stops after step STEP + 2.
 """
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -36,6 +44,7 @@ from flax.training.train_state import TrainState  # noqa: E402
 import fdp  # noqa: E402
 
 mode, bad_rank, fault_step, outdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+pause = float(sys.argv[5]) if len(sys.argv) > 5 else 90.0
 fdp.init(initialization_timeout=60)
 rank = fdp.process_index()
 
@@ -44,6 +53,7 @@ HOUR = 3600.0
 calls = [0]
 slow_trace = []  # not empty: tracing the loss takes 4 x STEP s
 FIVE_STEPS = ("late", "latecompile", "slowexit")
+PAUSES = ("pause", "busy", "sleep", "sleepbusy")
 
 
 def block_in_callback(x):
@@ -106,7 +116,14 @@ for n in range(1, 100_000):
             os.kill(os.getpid(), signal.SIGKILL)
         elif mode == "raise":
             raise RuntimeError(f"rank {rank} failed on purpose after step {n}")
+    if n == fault_step and mode in PAUSES and (rank == bad_rank or mode in ("pause", "busy")):
+        with open(os.path.join(outdir, "fault"), "w") as f:
+            f.write(repr(time.time()))
+        with fdp.runtime.busy() if mode.endswith("busy") else contextlib.nullcontext():
+            time.sleep(pause)
     if (mode == "none" and n >= last_step(outdir)) or (mode in FIVE_STEPS and n >= 5):
+        break
+    if mode in PAUSES and n >= fault_step + 2:
         break
     time.sleep(0.02)
 print(f"rank {rank} done after step {n}", flush=True)
