@@ -15,7 +15,8 @@ agent declares a hang from evidence, never from silence alone. After
 - a worker *behind*: a peer finished (or waits inside) a step that this worker
   has not entered, or waits for it at a store key or host collective, and this
   worker made no move (a worker that never reaches its first step while its
-  peers wait is one);
+  peers wait is one); one inside ``fdp.runtime.busy()`` (process 0 checking a
+  checkpoint while its peers wait for the verdict) only after ``idle_timeout``;
 - every worker quiet while one waits at a store key or host collective (peers
   waiting for what no one will do: different keys, a deadlock);
 - every worker quiet, and one of them blocked in a host callback (read from
@@ -252,7 +253,7 @@ class Watchdog:
         """
         if any(w.stopped_since is not None and now - w.stopped_since >= self.timeout for w in live):
             return "hang"
-        if any(w.behind_since is not None and now - w.behind_since >= self.timeout for w in live):
+        if any(w.behind_since is not None and now - w.behind_since >= self._limit(w) for w in live):
             return "hang"
         active = [w for w in live if not w.exiting]
         if not active or any(w.compiling for w in live):
@@ -262,15 +263,27 @@ class Watchdog:
         since = max(w.changed for w in live)
         if now - since < self.timeout:
             return None
-        if any(w.beat.waiting for w in active):
+        busy = any(w.beat.busy for w in active)
+        if any(w.beat.waiting for w in active) and not busy:
             return "hang"  # it waits for peers that are quiet too: for nothing
-        if any(w.beat.busy or w.stopped_since is not None for w in active):
+        if busy or any(w.stopped_since is not None for w in active):
             return None  # busy: a pause; stopped: a hang once it has lasted `timeout`
         # One look at the stacks per `timeout` of a pause, not one per check.
         if self._probed < since or now - self._probed >= self.timeout:
             self._probed = now
             return "probe"
         return "idle" if self._idle(live, now) else None
+
+    def _limit(self, w: _Watched) -> float:
+        """How long peers may wait for ``w``: ``timeout``, or ``idle_timeout`` while it is busy.
+
+        A worker inside ``fdp.runtime.busy()`` says why its peers wait (process 0
+        checksumming a checkpoint while the others wait for its verdict); that
+        counts as a pause, and only ``idle_timeout`` ends it (0: never).
+        """
+        if not w.beat.busy:
+            return self.timeout
+        return self.idle_timeout if self.idle_timeout else float("inf")
 
     def _idle(self, live: list[_Watched], now: float) -> bool:
         return bool(self.idle_timeout) and now - max(w.changed for w in live) >= self.idle_timeout

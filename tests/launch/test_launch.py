@@ -569,12 +569,15 @@ def test_the_watchdog_takes_a_quiet_pause_for_a_hang_only_with_evidence(tmp_path
     hang = dog.check({0, 1}, stacks)
     assert hang is not None and hang.rank == 0
     assert "a pause past the --idle-timeout of 0.8 s" in hang.describe()
-    _beat(beats[0], 3, 3, "b", 2)  # busy, yet its peer waits at a host collective: a hang
-    _beat(beats[1], 3, 3, "-", 4, "fdp.runtime.barrier")
+    _beat(beats[0], 3, 3, "b", 2)  # busy while its peer waits for it at a host collective
+    _beat(beats[1], 3, 3, "-", 4, "fdp.runtime.barrier")  # (a checkpoint's verdict): a pause
     dog.check({0, 1}, stacks)
     time.sleep(0.4)
+    assert dog.check({0, 1}, stacks) is None
+    time.sleep(0.5)  # ... until the idle limit: then the busy one is blamed
     hang = dog.check({0, 1}, stacks)
     assert hang is not None and hang.rank == 0
+    assert "while rank(s) 1 waited at fdp.runtime.barrier" in hang.describe()
     assert "while rank(s) 1 waited at fdp.runtime.barrier" in hang.describe()
     assert "busy" in hang.table[1]
     for r in (0, 1):  # both wait, for different keys: a deadlock, a hang after `timeout`
