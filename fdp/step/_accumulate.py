@@ -123,6 +123,8 @@ class GradAccumulator:
             def objective(p: Any) -> tuple[jax.Array, jax.Array]:
                 with using_example_mask(weights):  # for fdp.SyncBatchNorm
                     loss, _, _ = call_loss(self.loss_fn, cfg, False, p, batch, *extra)
+                if isinstance(loss, tuple):  # (sum, weight): Loss(normalize='tokens'), refused
+                    raise TypeError("grad_accumulator does not apply Loss.normalize='tokens'.")
                 if weights is not None:
                     return jnp.sum(weights * loss), jnp.sum(weights)
                 return loss, jnp.ones(())

@@ -38,7 +38,7 @@ def check_loss_fn(loss_fn: Any) -> Any:
 
 def call_loss(
     loss_fn: Any, cfg: StepConfig, has_buffers: bool, *args: Any
-) -> tuple[jax.Array, Any, Any]:
+) -> tuple[jax.Array | tuple[jax.Array, jax.Array], Any, Any]:
     """Calls the user's loss and splits its result into ``(loss, aux, new_buffers)``.
 
     ``loss_fn`` returns ``loss``, ``(loss, aux)`` (``has_aux``), ``(loss,

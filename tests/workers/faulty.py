@@ -21,8 +21,9 @@ Modes about pauses, of PAUSE seconds (default 90): `pause` (every rank sleeps be
 its steps STEP and STEP + 1: an evaluation, a synchronous checkpoint; not a hang),
 `busy` (the same inside `fdp.runtime.busy()`), `sleep` (rank RANK sleeps there, not
 stopped, while its peers go on and wait for it inside step STEP + 1: a hang), and
-`sleepbusy` (the same inside `fdp.runtime.busy()`: a hang only past --idle-timeout). Every rank writes
-the time to OUTDIR/fault as it begins the pause, and stops after step STEP + 2.
+`sleepbusy` (the same inside `fdp.runtime.busy()`: a hang only past --idle-timeout).
+Every rank writes the time to OUTDIR/fault as it begins the pause, and stops after step
+STEP + 2.
 """
 
 import atexit
