@@ -190,9 +190,7 @@ def reduce_step(
     shard, k = config.shard_axis, config.num_shards
     # A loss with nothing to fold (its dense layers in a scan) is left alone.
     objective = fold_leading_dims(objective) if plan.folds and plan.folds.folded else objective
-    # With model axes, stage 3 gathers each bucket once per step, on each device's model
-    # block (fdp.collectives._blocks): the per-use replay does not run on blocks yet.
-    per_use = config.gathers_per_use and not plan.buckets.leaf_layouts
+    per_use = config.gathers_per_use
     dims = bucket_shard_dims(plan.buckets, k)
     low, master = config.sharding.param_dtype, params  # mixed precision: fdp.step._mixed
     if per_use:  # gathered inside the forward and again in the backward pass
@@ -204,6 +202,7 @@ def reduce_step(
             ahead=config.prefetch_groups,
             group_bytes=config.gather_group_bytes,
             gather_dtype=low,
+            layouts=plan.buckets.leaf_layouts,
         )
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(

@@ -71,17 +71,19 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.sharding import PartitionSpec as P
 
 from fdp import _compat as compat
 from fdp._jaxpr import evaluate
 from fdp.bucketing import BucketPlan
+from fdp.bucketing._plan import WHOLE
 from fdp.collectives import axis_size
 from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
 from fdp.hooks._contract import mean_reduce_scatter
 from fdp.step._local_grads import Objective
 from fdp.step._mixed import low_gather
-from fdp.step._zero import gather
+from fdp.step._zero import gather, gather_leaf
 
 
 class _Lazy:
@@ -301,7 +303,9 @@ def _first_number(to: Any) -> Any:
         ),
         None,
     )
-    return None if x is None else jnp.ravel(x)[0]
+    # Indexed, not raveled: a reshape of an activation split over a model axis (a
+    # tensor-parallel layer's) would make XLA all-gather it over that axis first.
+    return None if x is None else x[(0,) * x.ndim]
 
 
 def _token(to: Any) -> Any:
@@ -446,25 +450,32 @@ def _backward(
 
 
 def _gathered(
-    shard: Any, dim: int, axis_name: AxisName, make: Any = None, low: Any = None
+    shard: Any,
+    dim: int,
+    axis_name: AxisName,
+    make: Any = None,
+    low: Any = None,
+    layout: P = WHOLE,
 ) -> _Lazy:
     """``shard`` all-gathered along ``dim``, lazily; ``make`` does it (default: all_gather).
 
     ``low``: a dtype a floating shard is gathered in (:func:`fdp.step._mixed.low_gather`).
+    ``layout``: the leaf's split over the model axes; with one, it is gathered on
+    its blocks (:func:`fdp.step._zero.gather_leaf`) and ``make`` is not used.
     """
 
     def gather_one(s: tuple[Any, ...]) -> Any:
-        return jax.lax.all_gather(s[0], axis_name, axis=dim, tiled=True)
+        return gather_leaf(s[0], dim, axis_name, layout)
 
-    whole = make or gather_one
+    whole = gather_one if len(layout) else make or gather_one
     if low is not None and jnp.issubdtype(shard.dtype, jnp.floating):
         cast = low_gather(lambda x, w=whole: w((x,)), low)
         whole = lambda s: cast(s[0])  # noqa: E731
-    return _Lazy((shard,), whole, lambda: _layer_shards(shard, dim, axis_name, low))
+    return _Lazy((shard,), whole, lambda: _layer_shards(shard, dim, axis_name, low, layout))
 
 
 def _layer_shards(
-    shard: Any, dim: int, axis_name: AxisName, low: Any = None
+    shard: Any, dim: int, axis_name: AxisName, low: Any = None, layout: P = WHOLE
 ) -> tuple[Any, Callable[[Any], _Lazy]] | None:
     """A stacked parameter's shards with a share of every layer, and one layer's lazy value.
 
@@ -479,7 +490,10 @@ def _layer_shards(
     dimension qualifies (the stack is then gathered whole, before the loop).
     """
     if dim > 0:
-        return shard, lambda x: _gathered(x, dim - 1, axis_name, low=low)
+        layer = P(*tuple(layout)[1:])  # one layer's split over the model axes
+        return shard, lambda x: _gathered(x, dim - 1, axis_name, low=low, layout=layer)
+    if len(layout):  # an all-to-all would meet the model split as a plain gather does
+        return None
     n = axis_size(axis_name)
     split = next((d for d in range(1, shard.ndim) if shard.shape[d] % n == 0), None)
     if split is None:
@@ -611,6 +625,7 @@ def per_use_objective(
     ahead: int = 0,
     group_bytes: int = 0,
     gather_dtype: Any = None,
+    layouts: Sequence[P] = (),
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
 
@@ -621,7 +636,11 @@ def per_use_objective(
     this device's share; :func:`finish_gradients` makes it the mean.
     ``gather_dtype``: the dtype floating shards are gathered in (mixed
     precision, :mod:`fdp.step._mixed`); their gradients stay in theirs.
+    ``layouts``: per leaf, its split over the model axes (empty: none), on whose
+    blocks it is gathered and its gradient scattered
+    (:func:`fdp.step._zero.gather_leaf`).
     """
+    laid = tuple(layouts) or (WHOLE,) * len(dims)
 
     def traced(shards: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
         leaves, treedef = jax.tree.flatten(shards)
@@ -638,6 +657,7 @@ def per_use_objective(
         jaxpr = closed.jaxpr
         flat = jax.tree.leaves(args)
         sharded = {v: d for v, d in zip(jaxpr.invars, dims, strict=False) if d is not None}
+        layout = dict(zip(jaxpr.invars, laid, strict=False))
         # The gathers `traced` made: all-gathers of the sharded leaves themselves.
         gathers = {
             id(e): functools.partial(
@@ -646,6 +666,7 @@ def per_use_objective(
                 axis_name=axis_name,
                 make=lambda s, e=e: compat.bind_equation(e, list(s))[0],
                 low=gather_dtype,
+                layout=layout[e.invars[0]],
             )
             for e in jaxpr.eqns
             if compat.is_all_gather(e)

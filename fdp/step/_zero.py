@@ -194,9 +194,19 @@ def gather(
     """
     laid = layouts or (WHOLE,) * len(leaves)
     return [
-        x if d is None else on_blocks(functools.partial(_gather_along, d, axis_name), lay)(x)
+        x if d is None else gather_leaf(x, d, axis_name, lay)
         for x, d, lay in zip(leaves, dims, laid, strict=True)
     ]
+
+
+def gather_leaf(x: jax.Array, dim: int, axis_name: AxisName, layout: P = WHOLE) -> jax.Array:
+    """Inside ``shard_map``: ``x`` all-gathered along ``dim`` over the data axis.
+
+    On each device's block of its ``layout`` (its split over the model axes:
+    :func:`fdp.collectives._blocks.on_blocks`), so neither the gather nor its
+    transpose, the gradient's reduce-scatter, moves the leaf over a model axis.
+    """
+    return on_blocks(functools.partial(_gather_along, dim, axis_name), layout)(x)
 
 
 def _gather_along(dim: int, axis_name: AxisName, x: jax.Array) -> jax.Array:

@@ -466,3 +466,69 @@ def test_no_parameter_or_gradient_travels_over_the_model_axis(stage):
     ]
     assert over_model, "the model's own all-reduce over 'model' is in the program"
     assert {c.kind for c in over_model} == {"all-reduce"}, over_model
+
+
+def test_zero3_gathers_a_model_split_leaf_where_it_lies():
+    # Inside a shard_map manual over 'data' only, XLA's partitioner replicates the
+    # operand of an all-gather over 'data' on the 'model' axis it owns: a kernel split
+    # over 'model' was gathered whole over 'model' first, and its gradient (the
+    # transpose) reduce-scattered whole. gather_leaf gathers each device's model shard.
+    from fdp.step._zero import gather_leaf
+
+    mesh = mesh_of((4, 2))
+    w = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data", "model")))
+
+    def loss(w):
+        def local(w):
+            return jnp.sum(gather_leaf(w, 0, "data", P(None, "model")) ** 2)[None]
+
+        mapped = jax.shard_map(
+            local, mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"data"}
+        )
+        return jnp.sum(mapped(w))
+
+    ops = fdp.collective_stats(jax.jit(jax.grad(loss)).lower(w).compile()).ops
+    kinds = {(op.kind, op.group_size, op.shapes[0]) for op in ops if op.kind != "all-reduce"}
+    assert kinds == {("all-gather", 4, (8, 8)), ("reduce-scatter", 4, (2, 8))}, kinds
+    np.testing.assert_allclose(jax.grad(loss)(w), 8 * np.ones((8, 16)))  # 4 copies x 2w
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
+def test_zero3_scatters_a_model_split_gradient_where_it_lies(shape):
+    mesh, params = mesh_of(shape), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(Megatron().apply), mesh=mesh, sharding=fdp.Sharding(zero_stage=3))
+    state = step.init(state)
+    lowered = step.lower(state, fdp.shard_batch(batches()[0], mesh))
+    ops = fdp.collective_stats(lowered.compile()).ops
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    gathered = {op.shapes[0] for op in ops if op.kind == "all-gather" and op.group_size == data}
+    assert (8, 16 // model) in gathered, gathered  # Dense_0's kernel, still split over 'model'
+    assert (8, 16) not in gathered, gathered
+    # Nor is an activation gathered over 'model' (the per-use ties once raveled one).
+    along_model = [op for op in ops if op.group_size == model and op.kind != "all-reduce"]
+    assert not along_model, along_model
+
+
+@pytest.mark.parametrize(
+    "sharding",
+    [
+        fdp.Sharding(zero_stage=1),
+        fdp.Sharding(zero_stage=2),
+        fdp.Sharding(zero_stage=3, reshard_after_forward=False),
+    ],
+    ids=["stage1", "stage2", "stage3-kept"],
+)
+def test_bucket_scatters_and_gathers_keep_the_model_split(sharding):
+    # A bucket's reduce-scatter (and at stage 3 kept gathered, its packed gather) over
+    # 'data' inside the shard_map had its operand replicated over 'model' first.
+    mesh, params = mesh_of((2, 4)), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(Megatron().apply), mesh=mesh, sharding=sharding)
+    state = step.init(state)
+    lowered = step.lower(state, fdp.shard_batch(batches()[0], mesh))
+    ops = fdp.collective_stats(lowered.compile()).ops
+    along_model = [op for op in ops if op.group_size == 4 and op.kind != "all-reduce"]
+    assert not along_model, along_model
+    trained = jax.device_get(train(step, state, mesh).params)
+    chex.assert_trees_all_close(trained, expected(params), **TOL)
