@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from fdp.collectives._axis import AxisName
 from fdp.collectives._blocks import spec_axes
 from fdp.data._abstract import is_abstract, placed_like
+from fdp.data._placement import replicate
 
 Specs = tuple[P, ...]
 
@@ -170,11 +171,11 @@ def _place_jit(treedef: Any, targets: tuple[NamedSharding, ...]) -> Any:
     return jax.jit(lambda tree: tree, out_shardings=jax.tree.unflatten(treedef, targets))
 
 
-def place_kept(tree: Any, mesh: Mesh, specs: Specs, replicate: Any) -> Any:
+def place_kept(tree: Any, mesh: Mesh, specs: Specs) -> Any:
     """``tree`` replicated over the data axis, each leaf split over the others as ``specs``.
 
-    Leaves not yet on ``mesh`` go through ``replicate`` first (fdp's
-    :func:`fdp.replicate`: process 0's values everywhere); leaves on the mesh
+    Leaves not yet on ``mesh`` go through :func:`fdp.replicate` first (process
+    0's values everywhere); leaves on the mesh
     are resharded in place, never gathered whole. A jitted copy: the caller's
     buffers are never aliased (a donating step would delete them).
     """

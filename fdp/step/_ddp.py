@@ -169,6 +169,7 @@ class DDPFunction:
         self._static_argnames = static_argnames
         self._output_reduction = output_reduction
         self._replicated_leaves = replicated_leaves
+        self._leaf_flags: dict[Any, tuple] = {}  # _split_leaves, per argument structure
         self._layouts: dict[Any, _Layout] = {}
         self._jitted: Any = None
         self._queue: InFlight | bool | None = False  # False: not decided yet
@@ -323,6 +324,12 @@ class DDPFunction:
         keep = self._replicated_leaves
         if keep is None:
             return batch
+        shapes = zip(args, batch, strict=True)
+        key = (tuple(jax.tree.structure(a) if b else None for a, b in shapes), batch)
+        if key in self._leaf_flags:  # decided once per structure: the key paths are its
+            return self._leaf_flags[key]
+        if len(self._leaf_flags) >= 64:
+            self._leaf_flags.clear()
         out: list[bool | tuple[bool, ...]] = []
         for i, (a, b) in enumerate(zip(args, batch, strict=True)):
             if not b:
@@ -331,7 +338,8 @@ class DDPFunction:
             paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
             flags = tuple(not keep(i, path) for path in paths)
             out.append(True if all(flags) else flags)
-        return tuple(out)
+        self._leaf_flags[key] = tuple(out)
+        return self._leaf_flags[key]
 
     def _check_batch(self, args: tuple, batch: tuple) -> None:
         n = check_axis(self.mesh, self._axis_name)

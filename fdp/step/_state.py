@@ -192,7 +192,7 @@ def replicate_over_data(config: StepConfig, tree: Any) -> Any:
     specs = model_specs(tree, mesh, config.axis_name)
     if not has_model_axes(specs):
         return replicate(tree, mesh)
-    return place_kept(tree, mesh, specs, replicate)
+    return place_kept(tree, mesh, specs)
 
 
 def replicated_over_data(config: StepConfig, tree: Any) -> bool:

@@ -294,9 +294,9 @@ def is_placed(tree: Any, mesh: Mesh, axis_name: AxisName, *, pad: bool = False) 
     n = check_axis(mesh, axis_name)
     if n <= 1:  # nothing is padded or split over one device
         return True
-    data = set(axis_names_of(axis_name))
+    data = frozenset(axis_names_of(axis_name))
     leaves = jax.tree.leaves(tree)
-    layouts = [_layout_on(x, mesh, data) for x in leaves]
+    layouts = [_layout_on(getattr(x, "sharding", None), mesh, data) for x in leaves]
     if pad and needs_padding(tree, n, layouts):
         return False
     for x, layout in zip(leaves, layouts, strict=True):
@@ -306,9 +306,12 @@ def is_placed(tree: Any, mesh: Mesh, axis_name: AxisName, *, pad: bool = False) 
     return True
 
 
-def _layout_on(x: Any, mesh: Mesh, data: set[str]) -> P:
-    """``x``'s split over ``mesh``'s non-data axes (``P()`` where it is not on ``mesh``)."""
-    sharding = getattr(x, "sharding", None)
+@functools.lru_cache(maxsize=1024)
+def _layout_on(sharding: Any, mesh: Mesh, data: frozenset[str]) -> P:
+    """A leaf's split over ``mesh``'s non-data axes, from its ``sharding`` (``P()`` off ``mesh``).
+
+    Cached: every ZeRO step reads it for each leaf of the state it is given.
+    """
     if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
         return drop_axes(sharding.spec, data)
     return WHOLE
