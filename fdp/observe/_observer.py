@@ -70,6 +70,22 @@ class Observer:
             return self._first_call(fn, config, plan, args)
         return self._sample(fn, plan, args)
 
+    def run_compiled(self, compiled: Any, dynamic: tuple, args: tuple) -> Any:
+        """Runs a call after the first: ``compiled(*dynamic)``, sampled as :meth:`run` samples.
+
+        Args:
+          compiled: the step's program for these arguments (``jax.stages.Compiled``),
+            which never compiles.
+          dynamic: its arguments (the step's, less the static ones).
+          args: the step's arguments, for the batch.
+        """
+        runtime = self.runtime
+        assert runtime is not None and self.level is not None  # set by the first call
+        out, sampled = runtime.run(compiled, dynamic, args[self._batch_arg], compiles=False)
+        if sampled and self.level >= DebugLevel.INFO:
+            logger.info("%s: %s", self._kind, runtime.summary())
+        return out
+
     def _sample(self, fn: Any, plan: Any, args: tuple) -> Any:
         runtime, level = self.runtime, self.level
         assert runtime is not None and level is not None  # set by the first call

@@ -105,30 +105,37 @@ class RuntimeStats:
     _seconds: list[float] = dataclasses.field(default_factory=list)
     _examples: list[int] = dataclasses.field(default_factory=list)
 
-    def run(self, fn: Callable[..., Any], args: tuple, batch: Any) -> tuple[Any, bool]:
+    def run(
+        self, fn: Callable[..., Any], args: tuple, batch: Any, *, compiles: bool = True
+    ) -> tuple[Any, bool]:
         """Runs ``fn(*args)`` as the next step, timing it if it is sampled.
 
         ``batch`` is the step's global batch; its leading size counts the
-        examples.
+        examples. ``compiles``: ``fn`` is a ``jax.jit`` function, whose calls may
+        compile (such a step is not averaged); False for a compiled program.
 
         Returns:
           ``(fn's result, whether this step was timed)``.
         """
-        self.steps += 1
-        if not self.schedule.sampled(self.steps):
-            return fn(*args), False
+        # Counted once ``fn`` returned: a call that raised (a step refusing a
+        # signature it must plan for first, then called again) is not a step.
+        if not self.schedule.sampled(self.steps + 1):
+            out = fn(*args)
+            self.steps += 1
+            return out, False
         # The previous step's results first: its time is not this step's.
         jax.block_until_ready(args)
         # A jitted function's cache grows when a call compiles; such a call
         # times the compiler, not the step.
-        cached = jit_cache_size(fn)
+        cached = jit_cache_size(fn) if compiles else 0
         start = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         seconds = time.perf_counter() - start
+        self.steps += 1
         examples = int(jax.tree.leaves(batch)[0].shape[0])
         if self.steps == 1:
             self.first_step_seconds = seconds
-        if self.steps == 1 or jit_cache_size(fn) > cached:
+        if self.steps == 1 or (compiles and jit_cache_size(fn) > cached):
             self.compiled_steps.append(self.steps)
             self._last_compiled = seconds
         else:

@@ -1,43 +1,54 @@
 """Where a worker is, for the ``fdp launch`` agent that watches it for hangs.
 
-The agent names a file in ``FDP_HEARTBEAT_FILE``; a worker overwrites it (one
-``pwrite`` of 128 bytes, a few microseconds) each time it enters a step, leaves
-one, starts or stops waiting for its peers outside the compiled program (a store
-key, a host collective), enters or leaves :func:`busy` (an evaluation, a
-checkpoint), and when its script has returned. The agent reads the files to
-tell the worker that holds the others up (one that did not enter the step its
-peers wait in) from the peers that wait for it, to leave compiling and the exit
-after the last step alone, and to report where every worker was
-(:mod:`fdp.launch._watchdog`). Outside the launcher (no variable) nothing is written.
+The agent names a file in ``FDP_HEARTBEAT_FILE``; a worker overwrites it (128
+bytes, mapped into memory: no system call) when it starts or stops waiting for its
+peers outside the compiled program (a store key, a host collective), enters or leaves
+:func:`busy` (an evaluation, a checkpoint), compiles, and when its script has
+returned. Entering and finishing a step, the hot path, only update the record in
+memory (a tuple assignment); a daemon thread writes it out within
+:data:`FLUSH_SECONDS` of a change, so that a step costs no write at all, while the
+agent, which judges over tens of seconds, sees every worker's steps as before.
+
+The agent reads the files to tell the worker that holds the others up (one that did
+not enter the step its peers wait in) from the peers that wait for it, to leave
+compiling and the exit after the last step alone, and to report where every worker
+was (:mod:`fdp.launch._watchdog`). Outside the launcher (no variable) nothing is written.
 
 The record is one line: ``ENTERED FINISHED FLAGS WRITES [WAITING FOR...]``, where
 ``FLAGS`` is ``-`` (none) or letters: ``c`` (tracing and compiling: a step's first
 call for its shapes, or ``lower``) or ``x`` (the script returned: the process is
-exiting), and ``b`` (inside :func:`busy`); ``WRITES`` counts the records written,
-so that any activity shows.
+exiting), and ``b`` (inside :func:`busy`); ``WRITES`` counts the changes of the
+record, so that any activity shows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import mmap
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 HEARTBEAT_VAR = "FDP_HEARTBEAT_FILE"
+FLUSH_SECONDS = 0.05  # how soon the writer thread writes a step's record out
 _SIZE = 128
 _busy_lock = threading.Lock()
+_write_lock = threading.Lock()  # the writer thread and the main thread's own writes
 
+# The record as the process knows it. ``steps`` is one tuple ``(entered, finished)``,
+# assigned at once, so that the writer thread never reads half of a change; ``changes``
+# counts every change (the record's WRITES field).
 _state: dict = {
-    "entered": 0,
-    "finished": 0,
+    "steps": (0, 0),
     "flag": "-",
     "waiting": "",
-    "writes": 0,
+    "changes": 0,
     "busy": 0,  # busy() sections open, on any thread
-    "fd": None,
-    "pid": None,
+    "map": None,  # the file, mapped; False: not watched (no variable, or it failed)
+    "written": -1,  # ``changes`` when the record was last written out
+    "writer": None,  # the writer thread, started at the first change
 }
 
 
@@ -69,40 +80,84 @@ class Beat:
         return self.entered > self.finished
 
 
-def _file() -> int:
-    """The heartbeat file's descriptor, opened once per process (-1 when not watched)."""
-    if _state["pid"] != os.getpid():  # first use, or a forked child: do not share the file
+def _forget() -> None:
+    """In a forked child: the parent's mapping and writer thread are not this process's."""
+    _state.update(map=None, written=-1, writer=None)
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
+def _mapped() -> mmap.mmap | None:
+    """The heartbeat file mapped into memory, once per process (None when not watched)."""
+    m = _state["map"]
+    if m is None:
+        m = False
         path = os.environ.get(HEARTBEAT_VAR)
-        fd = -1
         if path:
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError:
-                fd = -1
-        _state.update(fd=fd, pid=os.getpid())
-    return _state["fd"]
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    if os.fstat(fd).st_size < _SIZE:
+                        os.ftruncate(fd, _SIZE)
+                    m = mmap.mmap(fd, _SIZE)
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError):
+                m = False
+        _state["map"] = m
+    return m or None
 
 
 def _write() -> None:
-    fd = _file()
-    if fd < 0:
+    """Writes the record out now (a change the agent must see at once)."""
+    _state["changes"] += 1  # any change shows, even one undone before the agent reads
+    _flush()
+
+
+def _flush() -> None:
+    m = _mapped()
+    if m is None:
         return
-    s = _state
-    s["writes"] += 1  # any change shows, even one undone before the agent reads
-    flags = s["flag"].strip("-") + ("b" if s["busy"] else "") or "-"
-    line = f"{s['entered']} {s['finished']} {flags} {s['writes']} {s['waiting']}"
-    data = line.encode("ascii", "replace")[: _SIZE - 1].ljust(_SIZE - 1) + b"\n"
-    try:
-        os.pwrite(fd, data, 0)
-    except OSError:
-        _state["fd"] = -1  # the agent's directory went away: stop trying
+    with _write_lock:
+        s = _state
+        changes = s["changes"]
+        if changes == s["written"]:
+            return
+        entered, finished = s["steps"]
+        flags = s["flag"].strip("-") + ("b" if s["busy"] else "") or "-"
+        line = f"{entered} {finished} {flags} {changes} {s['waiting']}"
+        try:
+            m[:] = line.encode("ascii", "replace")[: _SIZE - 1].ljust(_SIZE - 1) + b"\n"
+        except (OSError, ValueError):
+            s["map"] = False  # closed under us: stop trying
+            return
+        s["written"] = changes
+
+
+def _writer() -> None:
+    while True:
+        time.sleep(FLUSH_SECONDS)
+        if _state["changes"] != _state["written"]:
+            _flush()
+
+
+def _changed() -> None:
+    """A step's record changed: the writer thread writes it out (started once per process)."""
+    _state["changes"] += 1
+    if _state["writer"] is None and _state["map"] is not False and _mapped() is not None:
+        thread = threading.Thread(target=_writer, name="fdp-heartbeat", daemon=True)
+        _state["writer"] = thread
+        thread.start()
 
 
 def step_entered() -> None:
     """Records that this process entered one more step (called at the start of the call)."""
-    _state["entered"] = _state["finished"] + 1
-    _state["flag"] = "-"
-    _write()
+    s = _state
+    s["steps"] = (s["steps"][1] + 1, s["steps"][1])
+    if s["flag"] != "-":
+        s["flag"] = "-"
+    _changed()
 
 
 @contextlib.contextmanager
@@ -126,15 +181,17 @@ def compiling() -> Iterator[None]:
 
 def step_done() -> None:
     """Records that this process completed (dispatched) one more step."""
-    _state["finished"] += 1
-    _state["entered"] = max(_state["entered"], _state["finished"])
-    _state["flag"] = "-"
-    _write()
+    s = _state
+    entered, finished = s["steps"]
+    s["steps"] = (max(entered, finished + 1), finished + 1)
+    if s["flag"] != "-":
+        s["flag"] = "-"
+    _changed()
 
 
 def steps_done() -> int:
     """Steps this process has completed."""
-    return _state["finished"]
+    return _state["steps"][1]
 
 
 @contextlib.contextmanager

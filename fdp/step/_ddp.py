@@ -48,7 +48,7 @@ from fdp.hooks._bucketed import REDUCTION_TRACE, ReductionTrace
 from fdp.step._core import reduce_leaf, sync_buffers
 from fdp.step._in_flight import InFlight
 from fdp.step._keys import is_key, per_device
-from fdp.step._runner import in_flight
+from fdp.step._runner import in_flight, signature
 
 # REDUCE is fdp.train_step's rule for aux (floats averaged, counts summed) and FIRST its
 # 'broadcast' buffers (device 0's): both from fdp.step._core, not written again here.
@@ -69,6 +69,30 @@ class _Layout:
     out_treedef: Any = None
     out_rules: tuple[str, ...] = ()
     state_rules: tuple[str, ...] = ()
+
+    @property
+    def call(self) -> tuple:
+        """What a call's arguments decide, before their shapes: compared with the next call's."""
+        return (self.graphdef, self.node_positions, self.batch, self.statics, self.keywords)
+
+    def __hash__(self) -> int:
+        # jit hashes its static arguments on every call: compute it once.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            fields = dataclasses.fields(self)
+            value = hash(tuple(getattr(self, f.name) for f in fields))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallShape:
+    """What a call's argument types decide (:meth:`DDPFunction._call_shape`)."""
+
+    static: tuple[int, ...]  # positions of static arguments
+    nodes: tuple[int, ...]  # positions of NNX objects
+    batch: tuple[bool, ...]  # per argument: named by batch_argnums
 
 
 def _is_node(x: Any) -> bool:
@@ -170,8 +194,11 @@ class DDPFunction:
         self._output_reduction = output_reduction
         self._replicated_leaves = replicated_leaves
         self._leaf_flags: dict[Any, tuple] = {}  # _split_leaves, per argument structure
-        self._layouts: dict[Any, _Layout] = {}
+        self._call_shapes: dict[Any, _CallShape] = {}  # _call_shape, per argument types
+        self._layouts: dict[Any, tuple[_Layout, Any]] = {}  # layout and program per signature
         self._jitted: Any = None
+        self._fast: tuple[_Layout, Any] | None = None  # the last call's layout and program
+        self._smallest = 0  # which of its outputs the in-flight bound holds
         self._queue: InFlight | bool | None = False  # False: not decided yet
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
@@ -407,10 +434,64 @@ class DDPFunction:
                 chosen.add(names.index(name))
         return chosen
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, keywords = self._bind(args, kwargs)
-        static = self._static_positions(self._arg_names, len(args), keywords)
-        statics = tuple((i, args[i]) for i in sorted(static))
+    def _program(self, base: _Layout, args: tuple, dynamic: tuple) -> tuple[_Layout, Any]:
+        """The layout and program of a call the last one's did not fit (once per signature)."""
+        keys, state, others = dynamic
+        key = (base.graphdef, base.batch, base.statics, base.keywords, signature(dynamic))
+        found = self._layouts.get(key)
+        if found is not None:
+            return found
+        self._check_batch(args, base.batch)
+        if base.graphdef is not None:
+            nodes = tuple(args[i] for i in base.node_positions)
+            base = dataclasses.replace(base, metric_leaves=_metric_leaves(nodes, state))
+        layout = self._classify(base, keys, state, others)
+        if len(self._layouts) >= 64:  # new shapes every call: keep memory bounded
+            self._layouts.clear()
+        self._layouts[key] = found = (layout, self._compile(layout, keys, state, others))
+        return found
+
+    def _run_fast(self, call: tuple, *dynamic: Any) -> tuple[_Layout, Any] | None:
+        """The last call's program on ``dynamic``, where ``call`` is laid out as the last one.
+
+        O(number of arguments) in Python: the program checks the arguments'
+        signature in C++ and refuses another before anything runs (a
+        ``TypeError`` or ``ValueError``), as in :mod:`fdp.step._runner`. None:
+        the first path plans and compiles.
+        """
+        if self._fast is None or self._fast[0].call != call:
+            return None
+        layout, compiled = self._fast
+        try:
+            return layout, compiled(*dynamic)
+        except (TypeError, ValueError):
+            return None
+
+    def _compile(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> Any:
+        """The program for ``layout`` and these arguments' signature (jit's caches hold it)."""
+        if self._jitted is None:
+            self._jitted = jax.jit(self._run, static_argnums=(0,))
+        token = REDUCTION_TRACE.set(ReductionTrace())
+        try:
+            return self._jitted.lower(layout, keys, state, others).compile()
+        finally:
+            REDUCTION_TRACE.reset(token)
+
+    def _call_shape(self, args: tuple, keywords: tuple[str, ...]) -> _CallShape:
+        """Which arguments are static, NNX objects and batches (once per argument types)."""
+        key = (tuple(map(type, args)), keywords)
+        shape = self._call_shapes.get(key)
+        if shape is None:
+            static = tuple(sorted(self._static_positions(self._arg_names, len(args), keywords)))
+            kept = tuple(None if i in static else a for i, a in enumerate(args))
+            nodes = tuple(i for i, a in enumerate(kept) if _is_node(a))
+            shape = _CallShape(static, nodes, self._batch_flags(kept, nodes))
+            if len(self._call_shapes) >= 64:
+                self._call_shapes.clear()
+            self._call_shapes[key] = shape
+        return shape
+
+    def _check_statics(self, statics: tuple[tuple[int, Any], ...]) -> None:
         for i, value in statics:
             try:
                 hash(value)
@@ -420,44 +501,39 @@ class DDPFunction:
                     f"must be hashable, as jax.jit's static arguments are; got "
                     f"{type(value).__name__}."
                 ) from None
-        args = tuple(None if i in static else a for i, a in enumerate(args))
-        node_positions = tuple(i for i, a in enumerate(args) if _is_node(a))
-        nodes = tuple(args[i] for i in node_positions)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, keywords = self._bind(args, kwargs)
+        shape = self._call_shape(args, keywords)
+        statics = tuple((i, args[i]) for i in shape.static)
+        node_positions = shape.nodes
+        nodes: tuple = ()
         graphdef = keys = state = None
-        metric_leaves: tuple[bool, ...] = ()
+        if statics or node_positions:
+            args = tuple(None if i in shape.static else a for i, a in enumerate(args))
+            nodes = tuple(args[i] for i in node_positions)
+            others = tuple(None if i in node_positions else a for i, a in enumerate(args))
+        else:
+            others = args
         if nodes:
             graphdef, keys, state = nnx.split(nodes, nnx.RngKey, ...)
-            metric_leaves = _metric_leaves(nodes, state)
-        others = tuple(None if i in node_positions else a for i, a in enumerate(args))
-        batch = self._split_leaves(args, self._batch_flags(args, node_positions))
-        self._check_batch(args, batch)
-        leaves, treedef = jax.tree.flatten((keys, state, others))
-        signature = (
-            graphdef,
-            treedef,
-            batch,
-            tuple((np.shape(x), jnp.result_type(x)) for x in leaves),
-            statics,
-            keywords,
-        )
-        layout = self._layouts.get(signature)
-        if layout is None:
-            if len(self._layouts) >= 64:  # new shapes every call: keep memory bounded
-                self._layouts.clear()
-            base = _Layout(graphdef, node_positions, batch, metric_leaves, statics, keywords)
-            layout = self._layouts[signature] = self._classify(base, keys, state, others)
-        if self._jitted is None:
-            self._jitted = jax.jit(self._run, static_argnums=(0,))
-        trace = ReductionTrace()
-        token = REDUCTION_TRACE.set(trace)
-        try:
-            out_leaves, new_state = self._jitted(layout, keys, state, others)
-        finally:
-            REDUCTION_TRACE.reset(token)
+        batch = self._split_leaves(args, shape.batch)
+        # The last call's program where the arguments fit it; else plan and compile.
+        call = (graphdef, node_positions, batch, statics, keywords)
+        ran = self._run_fast(call, keys, state, others)
+        if ran is None:
+            self._check_statics(statics)
+            base = _Layout(graphdef, node_positions, batch, (), statics, keywords)
+            layout, compiled = self._program(base, args, (keys, state, others))
+            ran = layout, compiled(keys, state, others)
+            self._fast = (layout, compiled)
+            sizes = [x.size for x in ran[1][0]]  # the output the in-flight bound holds
+            self._smallest = sizes.index(min(sizes)) if sizes else 0
+        layout, (out_leaves, new_state) = ran
         if self._queue is False:  # decided at the first call (the mesh's platform)
             self._queue = in_flight(self.mesh)
-        if isinstance(self._queue, InFlight):
-            self._queue.add(out_leaves)
+        if isinstance(self._queue, InFlight) and out_leaves:
+            self._queue.hold(out_leaves[self._smallest])
         if nodes:
             nnx.update(nodes, new_state)
         return jax.tree.unflatten(layout.out_treedef, list(out_leaves))

@@ -39,9 +39,12 @@ class InFlight:
     def add(self, out: Any) -> None:
         """Holds the smallest array of ``out``; waits for the oldest held past the limit."""
         arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
-        if not arrays:
-            return
-        self.held.append(min(arrays, key=lambda x: x.size))
+        if arrays:
+            self.hold(min(arrays, key=lambda x: x.size))
+
+    def hold(self, array: jax.Array) -> None:
+        """Holds ``array`` (one output of a call); waits for the oldest held past the limit."""
+        self.held.append(array)
         while len(self.held) > self.limit:
             oldest = self.held.popleft()
             if not oldest.is_deleted():

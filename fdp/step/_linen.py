@@ -23,6 +23,7 @@ from fdp.step._local_grads import Objective
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
+from fdp.step._runner import STALE
 from fdp.step._sharded_init import build_sharded, shardings_of
 from fdp.step._state import (
     PerDevice,
@@ -272,6 +273,11 @@ class DataParallelStep(Step):
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         _check_state(state)
         self._key_reuse.seen(rng)
+        if self._fast is not None:  # a signature seen before: jit's dispatch alone
+            self._check_alive(getattr(state, "step", None), (None, state, batch, rng, mask))
+            out = self._run_fast(None, state, batch, rng, mask)
+            if out is not STALE:
+                return out
         plan = self._plan(state, batch, rng, mask)
         self._agree(
             "call", plan, optimizer=_optimizer(state), state=state, batch=batch, rng=rng, mask=mask

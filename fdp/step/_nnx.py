@@ -25,6 +25,7 @@ from fdp.step._local_grads import Objective
 from fdp.step._loss import call_loss, check_loss_fn
 from fdp.step._plan import StepPlan, prepare
 from fdp.step._policies import Accumulation, Loss, Reduction, Sharding, from_keywords
+from fdp.step._runner import STALE
 from fdp.step._sharded_init import build_sharded, shardings_of
 from fdp.step._state import (
     add_device_axis,
@@ -386,10 +387,114 @@ class NNXDataParallelStep(Step):
                 "it the hook would start again from a fresh state."
             )
         objects = (model, optimizer, comm_state)
+        if self._fast is not None and self._ready(objects):  # jit's dispatch and NNX's split
+            graphdef, comm, state = nnx.split(objects, HookState, ...)
+            self._check_alive(optimizer.step.get_raw_value(), (graphdef, state, batch, None, mask))
+            out = self._run_fast(graphdef, (comm, state), batch, None, mask)
+            if out is not STALE:
+                (comm, state), metrics = out
+                nnx.update(objects, comm, state)
+                self._warn_legacy(optimizer, comm_state)
+                return metrics
         plan, graphdef, comm, state = self._prepare_call(objects, batch, mask)
         (comm, state), metrics = self._run(plan, graphdef, (comm, state), batch, None, mask)
         nnx.update(objects, comm, state)
+        self._warn_legacy(optimizer, comm_state)
         return metrics
+
+    def split(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        *,
+        comm_state: NNXCommState | None = None,
+    ) -> tuple[Any, tuple[Any, Any]]:
+        """``(graphdef, state)`` for :meth:`apply`: the objects placed (as by :meth:`init`), split.
+
+        The in-place call splits and updates the objects at every step, as
+        ``nnx.jit`` does: Python that walks the whole graph (hundreds of
+        microseconds for a small model). Split once instead, as with ``jax.jit``
+        over ``nnx.split`` state, and each step costs jit's dispatch: the same
+        compiled program as the in-place call. Write the state back with
+        ``nnx.update((model, optimizer, comm_state), *state)``, or make new
+        objects with :meth:`merge`.
+
+        Args:
+          model: the model.
+          optimizer: its ``nnx.Optimizer``.
+          comm_state: a stateful hook's :class:`fdp.NNXCommState` from
+            :meth:`init` (one is made when None and the hook keeps state).
+
+        Returns:
+          ``(graphdef, state)``: the objects' graph (static) and their arrays,
+          ``state = (hook_state, rest)``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax
+          >>> from flax import nnx
+          >>> import fdp
+          >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+          >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+          >>> step = fdp.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+          >>> graphdef, state = step.split(model, optimizer)
+          >>> batch = fdp.shard_batch({"x": jnp.ones((8, 2)), "y": jnp.ones((8, 1))})
+          >>> for _ in range(3):
+          ...     state, metrics = step.apply(graphdef, state, batch)
+          >>> nnx.update((model, optimizer, None), *state)
+          >>> int(optimizer.step.get_value())
+          3
+        """
+        if comm_state is None:
+            buckets = self._check_and_place(model, optimizer, None)
+            self._fill(model, optimizer, buckets, None)
+            if hasattr(optimizer, LEGACY_ATTR):  # a stateful hook: its state goes in a holder
+                variable = getattr(optimizer, LEGACY_ATTR)
+                delattr(optimizer, LEGACY_ATTR)
+                comm_state = NNXCommState()
+                comm_state.comm_state = variable
+        else:
+            _check_comm_state(optimizer, comm_state)
+            buckets = self._check_and_place(model, optimizer, None)
+            self._fill(model, optimizer, buckets, comm_state)
+        graphdef, comm, rest = nnx.split((model, optimizer, comm_state), HookState, ...)
+        return graphdef, (comm, rest)
+
+    def apply(
+        self, graphdef: Any, state: tuple[Any, Any], batch: Any, mask: Any = None
+    ) -> tuple[tuple[Any, Any], dict[str, Any]]:
+        """Runs one step on :meth:`split` state: ``(graphdef, state, batch) -> (state, metrics)``.
+
+        The step the in-place call runs, with none of NNX's per-call graph
+        walks: a call with a signature seen before is jit's dispatch. ``state``
+        is donated (unless the step was built with ``donate=False``): use the
+        state this returns.
+
+        Args:
+          graphdef: the graph from :meth:`split`.
+          state: ``(hook_state, rest)`` from :meth:`split` or the previous call.
+          batch: the global batch (``fdp.shard_batch``).
+          mask: per-example weights (with ``fdp.Loss(per_example=True)``), or None.
+
+        Returns:
+          ``(state, metrics)``.
+        """
+        heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
+        args = (graphdef, state, batch, None, mask)
+        self._check_alive(_optimizer_step(state), args)
+        out = STALE
+        if self._fast is not None:
+            out = self._run_fast(graphdef, state, batch, None, mask)
+        if out is STALE:
+            objects = nnx.merge(graphdef, *state)
+            plan, again, comm, rest = self._prepare_call(objects, batch, mask)
+            # The caller's graph where it is the same: the next calls find it by identity.
+            graphdef = graphdef if again == graphdef else again
+            out = self._run(plan, graphdef, (comm, rest), batch, None, mask)
+        return out
+
+    def merge(self, graphdef: Any, state: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+        """New ``(model, optimizer, comm_state)`` from :meth:`split` state (``nnx.merge``)."""
+        return nnx.merge(graphdef, *state)
 
     def lower(
         self,
@@ -410,18 +515,32 @@ class NNXDataParallelStep(Step):
         plan, graphdef, comm, state = self._prepare_call(
             (model, optimizer, comm_state), batch, mask
         )
+        self._warn_legacy(optimizer, comm_state)
         return self._lower(plan, graphdef, (comm, state), batch, None, mask)
+
+    def _ready(self, objects: tuple[nnx.Module, nnx.Optimizer, NNXCommState | None]) -> bool:
+        """Checks the objects (O(1)); whether they are placed and hold what the hook keeps."""
+        _, optimizer, holder = objects
+        _check_optimizer(optimizer)
+        _check_comm_state(optimizer, holder)
+        variable = _hook_variable(optimizer, holder)
+        return self._placed and (self._stateful_hook is False or variable is not None)
+
+    def _warn_legacy(self, optimizer: nnx.Optimizer, holder: NNXCommState | None) -> None:
+        """Warns when a stateful hook's state is kept as fdp 0.1 kept it (no ``comm_state``)."""
+        if holder is None and _hook_variable(optimizer, None) is not None:
+            warnings.warn(
+                _LEGACY_WARNING.format(hook=self.config.comm_hook.name),
+                DeprecationWarning,
+                stacklevel=3,
+            )
 
     def _prepare_call(
         self, objects: tuple[nnx.Module, nnx.Optimizer, NNXCommState | None], batch: Any, mask: Any
     ) -> tuple[StepPlan, Any, Any, Any]:
         """The plan and the split ``(graphdef, hook state, state)`` of one call."""
         model, optimizer, holder = objects
-        _check_optimizer(optimizer)
-        _check_comm_state(optimizer, holder)
-        variable = _hook_variable(optimizer, holder)
-        ready = self._placed and (self._stateful_hook is False or variable is not None)
-        if not ready:
+        if not self._ready(objects):
             with heartbeat.compiling():  # it traces: never a hang for fdp launch
                 first = self._plan(model, optimizer, batch, mask)
             self._agree_objects("call", first, model, optimizer, batch=batch, mask=mask)
@@ -430,13 +549,6 @@ class NNXDataParallelStep(Step):
                     self._place(model, optimizer)
                     self._placed = True
                 self._fill(model, optimizer, first.buckets, holder)
-            variable = _hook_variable(optimizer, holder)
-        if holder is None and variable is not None:
-            warnings.warn(
-                _LEGACY_WARNING.format(hook=self.config.comm_hook.name),
-                DeprecationWarning,
-                stacklevel=3,
-            )
         graphdef, comm, state = nnx.split(objects, HookState, ...)
         plan = self._plan_for(
             (graphdef, state, batch, None, mask), lambda: self._plan(model, optimizer, batch, mask)
@@ -451,6 +563,17 @@ _LEGACY_WARNING = (
     "step.init(model, optimizer), then step(model, optimizer, batch, "
     "comm_state=comm_state), and checkpoint (model, optimizer, comm_state)."
 )
+
+
+def _optimizer_step(state: tuple[Any, Any]) -> Any:
+    """The optimizer's step count in :meth:`NNXDataParallelStep.split` state (None if elsewhere).
+
+    One leaf, read in O(1) to tell a donated state (every leaf is deleted at once).
+    """
+    try:
+        return state[1][1]["step"].get_raw_value()
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
 
 
 def _check_comm_state(optimizer: nnx.Optimizer, holder: Any) -> None:

@@ -1,10 +1,21 @@
-"""What every step front end shares: jit, observability, and the plan of the last call."""
+"""What every step front end shares: jit, observability, and the plan of the last call.
+
+A call takes one of two paths. The first call, and any call whose arguments are not of
+the previous call's signature, goes through the front end's checks, places the state,
+computes the :class:`StepPlan` and finds or compiles the program for that signature:
+work that depends only on the inputs' structure, shapes and shardings. A call like the
+previous one hands its arguments to that program (``jax.stages.Compiled``), which
+costs what ``jax.jit``'s own dispatch costs: the program checks, in C++, that the
+arguments are of the signature it was compiled for. Arguments of another signature
+(shapes, dtypes, tree, shardings) are refused there with a ``TypeError`` or
+``ValueError`` before anything runs or is donated, and the call takes the first path.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -24,6 +35,14 @@ from fdp.step._usage import ParamUsage
 from fdp.step._zero import memory_table, shape_structs
 
 
+class Fast(NamedTuple):
+    """The last call's plan and compiled program, for the calls that follow with its signature."""
+
+    plan: StepPlan
+    compiled: Any  # jax.stages.Compiled: takes the dynamic arguments alone
+    statics: tuple  # the static arguments it was compiled for
+
+
 class StepRunner:
     """The base of :class:`fdp.step._step.Step`: jit, observability, the plan of the last call.
 
@@ -39,7 +58,7 @@ class StepRunner:
       config: the step's settings.
       global_step: the function to jit; its first argument is the plan.
       donate_argnums: positions among ``args`` (after the plan) to donate.
-      static_argnums: positions among ``args`` that are static (hashable).
+      static_argnums: positions among ``args`` that are static (hashable): the leading ones.
       arg_names: names of ``args``, for the DETAIL check.
       batch_arg: position of the global batch among ``args``.
       stats: sample runtime statistics at any debug level.
@@ -61,6 +80,8 @@ class StepRunner:
         self._config = config
         self._global_step = global_step
         self._donate_argnums = donate_argnums
+        if static_argnums != tuple(range(len(static_argnums))):
+            raise ValueError(f"static_argnums must lead the arguments, got {static_argnums}")
         self._static_argnums = static_argnums
         self._jitted: Any = None
         self._last_plan: StepPlan | None = None
@@ -73,6 +94,10 @@ class StepRunner:
         self._calls = 0  # for the numerics guard's message
         self._key_reuse = KeyReuse(kind)  # a dropout key passed unchanged: warned once
         self._queue: InFlight | bool | None = False  # the platform's bound; False: undecided
+        # The last call's plan and program, for the next one with its signature (see the
+        # module's docstring).
+        self._fast: Fast | None = None
+        self._programs: dict[Any, Fast] = {}  # per signature: a call switching between shapes
 
     @property
     def config(self) -> StepConfig:
@@ -139,6 +164,15 @@ class StepRunner:
                 plan = self._plans[key] = compute()
         return plan
 
+    def _check_alive(self, probe: Any, args: tuple) -> None:
+        """Refuses a donated state, read from one of its leaves (``probe``), before jit sees it.
+
+        jit refuses a deleted array itself from jaxlib 0.11; 0.10 can crash on a
+        multi-device CPU mesh instead, and donation deletes every leaf at once.
+        """
+        if _deleted(probe):
+            raise self._donated_error(args)
+
     def _donated_error(self, args: tuple) -> RuntimeError:
         where = ""
         for i, arg in enumerate(args):
@@ -200,29 +234,68 @@ class StepRunner:
             )
         return self._jitted
 
+    def _run_fast(self, *args: Any) -> Any:
+        """A call like the last one: its compiled program, called as it is (O(1) Python).
+
+        Returns:
+          The step's outputs, or :data:`STALE` when the arguments are not of the
+          signature that program was compiled for (it checks them in C++, as jit's
+          cache does, before anything runs or is donated): take the first path.
+        """
+        fast = self._fast
+        assert fast is not None
+        n = len(fast.statics)  # the static arguments lead (checked when the step is built)
+        if args[:n] != fast.statics:  # compared by identity first: the same graph object
+            return STALE
+        dynamic = args[n:]
+        try:
+            if self._observer.on:
+                out = self._observer.run_compiled(fast.compiled, dynamic, args)
+            else:
+                out = fast.compiled(*dynamic)
+        except (TypeError, ValueError):  # another signature (shapes, tree, shardings)
+            return STALE
+        return self._finish(out)
+
     def _run(self, plan: StepPlan, *args: Any) -> Any:
+        """A call on the first path: ``plan`` was computed for ``args``."""
         self._last_plan = plan
         # For fdp launch's hang detection (no-ops outside it): the front end recorded
         # that the step was entered; its first call per plan compiles, never a hang.
         compiling = plan not in self._ran
         # Compiled apart from the call (which reuses it), so that the first execution,
         # which waits for the peers, is watched like any other; unless the observer
-        # times the first call with its compilation (stats on), which stays one.
+        # times the first call with its compilation (stats on), which stays one. The
+        # compiled program is kept for the calls that follow with this signature.
         timed = self._observer.on and self._observer.times_first_call()
-        if compiling and not timed:
-            with heartbeat.compiling():
-                self._jit().lower(plan, *args).compile()
+        n = len(self._static_argnums)
+        key = (plan, args[:n], signature(args[n:]))
+        fast = self._programs.get(key)
+        compiled = None if fast is None else fast.compiled
+        if compiled is None and not (compiling and timed):
+            with heartbeat.compiling() if compiling else contextlib.nullcontext():
+                compiled = self._jit().lower(plan, *args).compile()
         with heartbeat.compiling() if compiling and timed else contextlib.nullcontext():
             if self._observer.on:
                 out = self._observer.run(self._jit(), self.config, plan, args)
             else:
                 out = self._jit()(plan, *args)
+        if compiled is None:  # lowered from the arguments' types: donated arrays still have them
+            compiled = self._jit().lower(plan, *args).compile()
         if compiling:
             if len(self._ran) >= 64:  # as _plans: new shapes every call keep memory bounded
                 self._ran.clear()
             self._ran.add(plan)
             if self._queue is False:
                 self._queue = in_flight(self.config.mesh)
+        self._fast = Fast(plan, compiled, args[:n])
+        if len(self._programs) >= 64:  # new shapes every call: keep memory bounded
+            self._programs.clear()
+        self._programs[key] = self._fast
+        return self._finish(out)
+
+    def _finish(self, out: Any) -> Any:
+        """After a call: the in-flight bound, the numerics guard, the heartbeat."""
         if isinstance(self._queue, InFlight):  # the metrics (last): the state may be donated
             self._queue.add(out[-1] if isinstance(out, tuple) else out)
         self._calls += 1
@@ -262,10 +335,31 @@ class StepRunner:
         return logging_data(self._kind, self.config, self._last_plan)
 
 
+STALE: Any = object()  # what :meth:`StepRunner._run_fast` returns when the first path is due
+
+
 def in_flight(mesh: Any) -> InFlight | None:
     """The queue bound the platform's backend sets for steps on ``mesh`` (None: JAX's own)."""
     limit = backends.for_platform(mesh.devices.flat[0].platform).steps_in_flight(mesh)
     return None if limit is None else InFlight(limit)
+
+
+def signature(args: tuple) -> tuple:
+    """What a compiled program checks of its arguments: their tree and each leaf's type.
+
+    Shape, dtype, weak type and sharding of each leaf (the type of one that is no
+    array): computed on the first path only, one walk of the arguments.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    return treedef, tuple(
+        (
+            getattr(x, "shape", None),
+            getattr(x, "dtype", type(x)),
+            getattr(x, "weak_type", None),
+            getattr(x, "sharding", None),
+        )
+        for x in leaves
+    )
 
 
 def _deleted(x: Any) -> bool:

@@ -662,6 +662,24 @@ class AutoTunedNNXStep(_TunesAtFirstCall, NNXDataParallelStep):
         self._tune_once((model, optimizer), batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
         return super().__call__(model, optimizer, batch, mask, comm_state=comm_state)
 
+    def split(self, model: Any, optimizer: Any, *, comm_state: Any = None) -> tuple[Any, Any]:
+        """Places and splits the objects as :meth:`fdp.NNXDataParallelStep.split` does.
+
+        Raises:
+          ValueError: the comm hook keeps state (its shape would depend on the tuning).
+        """
+        _refuse_stateful_hook(self.config, _nnx_params(model, optimizer))
+        return super().split(model, optimizer, comm_state=comm_state)
+
+    def apply(self, graphdef: Any, state: Any, batch: Any, mask: Any = None) -> Any:
+        """Tunes (first call only, on copies of the objects in ``state``), then runs the step."""
+        if self.tuned is None:
+            model, optimizer, _ = self.merge(graphdef, state)
+            _refuse_stateful_hook(self.config, _nnx_params(model, optimizer))
+            pair = (model, optimizer)
+            self._tune_once(pair, batch, (mask,), _PairStep, _copy_nnx, _nnx_shape_of)
+        return super().apply(graphdef, state, batch, mask)
+
     def lower(
         self, model: Any, optimizer: Any, batch: Any, mask: Any = None, *, comm_state: Any = None
     ) -> Any:

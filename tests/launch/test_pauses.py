@@ -90,7 +90,6 @@ def test_a_busy_rank_its_peer_waits_for_is_named_only_past_the_idle_timeout(tmp_
 
 
 def test_busy_is_in_the_heartbeat_while_any_section_is_open(tmp_path, monkeypatch):
-    import os
     import threading
 
     from fdp import runtime
@@ -98,9 +97,9 @@ def test_busy_is_in_the_heartbeat_while_any_section_is_open(tmp_path, monkeypatc
 
     path = tmp_path / "rank_0.heartbeat"
     monkeypatch.setenv(_heartbeat.HEARTBEAT_VAR, str(path))
-    for key in ("pid", "fd", "busy", "flag"):
+    for key in ("map", "written", "busy", "flag"):
         monkeypatch.setitem(_heartbeat._state, key, _heartbeat._state[key])
-    _heartbeat._state["pid"] = None  # opens the file named above
+    _heartbeat._state["map"] = None  # maps the file named above
     try:
         with runtime.busy():
             assert _heartbeat.read(str(path)).busy
@@ -114,7 +113,7 @@ def test_busy_is_in_the_heartbeat_while_any_section_is_open(tmp_path, monkeypatc
             assert _heartbeat.read(str(path)).busy
         assert not _heartbeat.read(str(path)).busy
     finally:
-        os.close(_heartbeat._state["fd"])
+        _heartbeat._state["map"].close()
 
 
 def test_checkpoint_saves_and_restores_are_busy(tmp_path, monkeypatch):

@@ -61,10 +61,13 @@ def test_the_compiled_step_is_the_same_at_every_level():
 
 def test_off_routes_only_the_first_call_through_the_observer(monkeypatch):
     calls = []
-    run = _observer.Observer.run
-    monkeypatch.setattr(
-        _observer.Observer, "run", lambda self, *args: (calls.append(1), run(self, *args))[1]
-    )
+    for entry in ("run", "run_compiled"):  # the first call's and the later calls' entries
+        original = getattr(_observer.Observer, entry)
+        monkeypatch.setattr(
+            _observer.Observer,
+            entry,
+            lambda self, *args, original=original: (calls.append(1), original(self, *args))[1],
+        )
     for level, expected in (("OFF", 1), ("INFO", 5)):
         fdp.set_debug_level(level)
         calls.clear()

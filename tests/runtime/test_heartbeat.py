@@ -1,0 +1,95 @@
+"""The heartbeat a worker writes for ``fdp launch``: a step costs no write of its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fdp.runtime import _heartbeat
+
+
+@pytest.fixture
+def watched(tmp_path, monkeypatch):
+    """This process watched, as under ``fdp launch``: the record's path."""
+    path = tmp_path / "rank_0.heartbeat"
+    monkeypatch.setenv(_heartbeat.HEARTBEAT_VAR, str(path))
+    for key in list(_heartbeat._state):
+        monkeypatch.setitem(_heartbeat._state, key, _heartbeat._state[key])
+    _heartbeat._state.update(map=None, written=-1, writer=None, steps=(0, 0), changes=0)
+    yield path
+    mapped = _heartbeat._state["map"]
+    _heartbeat._state["map"] = False  # the writer thread stops writing before it is closed
+    if mapped:
+        with _heartbeat._write_lock:
+            mapped.close()
+
+
+def _wait_for(path, finished, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beat = _heartbeat.read(str(path))
+        if beat is not None and beat.finished == finished:
+            return beat
+        time.sleep(0.01)
+    raise AssertionError(f"the record never showed {finished} steps: {path.read_bytes()!r}")
+
+
+def test_steps_are_written_by_the_writer_thread_not_the_step(watched, monkeypatch):
+    flushes = []
+    flush = _heartbeat._flush
+
+    def spy():
+        flushes.append(threading.current_thread().name)
+        flush()
+
+    monkeypatch.setattr(_heartbeat, "_flush", spy)
+    for _ in range(1000):
+        _heartbeat.step_entered()
+        _heartbeat.step_done()
+    assert "MainThread" not in flushes  # the step itself wrote nothing
+    beat = _wait_for(watched, 1000)
+    assert (beat.entered, beat.finished, beat.inside) == (1000, 1000, False)
+    assert set(flushes) == {"fdp-heartbeat"}
+
+
+def test_a_step_left_inside_shows_as_inside(watched):
+    _heartbeat.step_entered()
+    _heartbeat.step_done()
+    _heartbeat.step_entered()  # and stays there (e.g. waits on its peers' collective)
+    deadline = time.monotonic() + 10.0
+    while not (_heartbeat.read(str(watched)) or _heartbeat.Beat(0, 0)).inside:
+        assert time.monotonic() < deadline, watched.read_bytes()
+        time.sleep(0.01)
+    beat = _heartbeat.read(str(watched))
+    assert (beat.entered, beat.finished) == (2, 1)
+
+
+def test_waits_and_flags_are_written_at_once(watched):
+    _heartbeat.step_entered()
+    _heartbeat.step_done()
+    with _heartbeat.waiting("store key 'host/1'"):
+        beat = _heartbeat.read(str(watched))  # no wait for the writer thread
+        assert beat.waiting == "store key 'host/1'" and beat.finished == 1
+    with _heartbeat.compiling():
+        assert _heartbeat.read(str(watched)).compiling
+    _heartbeat.exiting()
+    assert _heartbeat.read(str(watched)).exiting
+
+
+def test_a_longer_record_leaves_nothing_behind(watched):
+    with _heartbeat.waiting("a host collective with a long name " * 2):
+        pass
+    beat = _heartbeat.read(str(watched))
+    assert beat.waiting == "" and watched.stat().st_size == 128
+
+
+def test_nothing_is_written_outside_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.delenv(_heartbeat.HEARTBEAT_VAR, raising=False)
+    for key in list(_heartbeat._state):
+        monkeypatch.setitem(_heartbeat._state, key, _heartbeat._state[key])
+    _heartbeat._state.update(map=None, writer=None)
+    _heartbeat.step_entered()
+    _heartbeat.step_done()
+    assert _heartbeat._state["map"] is False and _heartbeat._state["writer"] is None

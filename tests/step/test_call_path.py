@@ -1,0 +1,209 @@
+"""A steady-state call is jit's dispatch: no Python that grows with the model, no new plan.
+
+The first call for an input signature checks, places, plans and compiles; later
+calls with that signature hand their arguments to the jitted step. A signature jit
+has not seen with the last plan makes the step plan again (the traced function
+refuses the old plan), so a new batch size, a new sharding or a state that is not
+ready still takes the full path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fdp
+from fdp.step import _plan
+
+
+class MLP(nn.Module):
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.tanh(nn.Dense(4)(x))
+        return nn.Dense(1)(x)
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, depth, rngs):
+        self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(depth)])
+        self.out = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = nnx.tanh(layer(x))
+        return self.out(x)
+
+
+def _batch(rows=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(rows, 4)).astype(np.float32), "y": np.ones((rows, 1), np.float32)}
+
+
+def _python_calls(fn):
+    """Python function calls made by ``fn()`` (jit's C++ dispatch makes none of its own)."""
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    jax.block_until_ready(out)
+    return calls[0]
+
+
+def _linen(depth, **kwargs):
+    model = MLP(depth)
+    params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+
+    def loss_fn(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    step = fdp.train_step(loss_fn, **kwargs)
+    state = step.init(fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2)))
+    return step, state, loss_fn
+
+
+def _steady(call, state):
+    """A function making one steady-state call (after two warm-up calls) on ``state``."""
+    holder = {"state": state}
+
+    def once():
+        holder["state"], out = call(holder["state"])
+        return out
+
+    for _ in range(2):
+        once()
+    return once
+
+
+def _linen_call(depth, rows, kwargs):
+    step, state, _ = _linen(depth, **kwargs)
+    batch = fdp.shard_batch(_batch(rows))
+    return _steady(lambda s: step(s, batch), state)
+
+
+def _nnx_call(depth, plain=False):
+    """A steady call of ``step.apply`` (or, ``plain``, of jax.jit over the same split state)."""
+    model = NNXMLP(depth, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = fdp.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    graphdef, state = step.split(model, optimizer)
+    batch = fdp.shard_batch(_batch())
+    if plain:  # jit's own work on this state: flattening NNX variables, comparing trees
+        same = jax.jit(lambda s, b: (jax.tree.map(lambda x: x + 0, s), {"loss": b["x"].sum()}))
+        return _steady(lambda s: same(s, batch), state)
+    return _steady(lambda s: step.apply(graphdef, s, batch), state)
+
+
+def _ddp_call(depth):
+    def loss(params, x):
+        for i in range(depth):
+            x = jnp.tanh(x @ params[f"w{i}"])
+        return jnp.mean(x**2)
+
+    @fdp.ddp(batch_argnums=1)
+    def sgd(params, batch):
+        grads = fdp.reduce_gradients(jax.grad(loss)(params, batch["x"]))
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return new, new
+
+    params = fdp.replicate({f"w{i}": jnp.full((4, 4), 0.1) for i in range(depth)})
+    batch = fdp.shard_batch(_batch())
+    return _steady(lambda p: sgd(p, batch), params)
+
+
+@pytest.mark.parametrize(
+    ("rows", "kwargs"),
+    [
+        (8, {}),
+        (8, {"sharding": fdp.Sharding(zero_stage=3)}),
+        (32, {"accumulation": fdp.Accumulation(steps=4)}),
+    ],
+    ids=["stage0", "stage3", "accumulate4"],
+)
+def test_a_linen_call_costs_the_same_python_for_2_and_24_layers(rows, kwargs):
+    counts = [_python_calls(_linen_call(depth, rows, kwargs)) for depth in (2, 24)]
+    assert counts[0] == counts[1], counts
+    assert counts[0] < 40, counts  # a handful of bookkeeping calls, not a walk of the state
+
+
+def test_fdp_ddp_costs_the_same_python_for_2_and_24_layers():
+    counts = [_python_calls(_ddp_call(depth)) for depth in (2, 24)]
+    assert counts[0] == counts[1], counts
+
+
+def test_an_nnx_split_call_costs_what_jit_costs_on_its_state_and_no_more():
+    # NNX variables flatten in Python, in jit's dispatch too: fdp adds a constant.
+    extra = [
+        _python_calls(_nnx_call(depth)) - _python_calls(_nnx_call(depth, plain=True))
+        for depth in (2, 24)
+    ]
+    assert extra[0] == extra[1], extra
+    assert extra[0] < 40, extra
+
+
+def test_new_signatures_plan_again_and_old_ones_do_not(monkeypatch):
+    step, state, loss_fn = _linen(2)
+    planned = []
+    prepare = _plan.prepare
+    monkeypatch.setattr(
+        "fdp.step._linen.prepare", lambda *a, **k: planned.append(a[2]) or prepare(*a, **k)
+    )
+    small, large = fdp.shard_batch(_batch(8)), fdp.shard_batch(_batch(16, seed=1))
+    params = jax.device_get(state.params)
+    want = fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+    for batch in (small, large, small, large, small):
+        host = jax.device_get(batch)
+        want_loss = loss_fn(want.params, host)
+        want = want.apply_gradients(grads=jax.grad(loss_fn)(want.params, host))
+        state, metrics = step(state, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5)
+    assert planned == [8, 16]  # each batch size planned once, then taken from jit's cache
+    chex.assert_trees_all_close(jax.device_get(state.params), want.params, rtol=1e-5, atol=1e-6)
+
+
+def test_a_state_that_is_not_ready_takes_the_full_path_after_fast_calls():
+    # A stateful hook's comm_state is filled by the first path; a fresh state has none.
+    step, state, _ = _linen(2, reduction=fdp.Reduction(comm_hook="powersgd"))
+    batch = fdp.shard_batch(_batch())
+    fresh = jax.device_get(state)
+    state = fdp.TrainState.create(apply_fn=None, params=state.params, tx=optax.adam(1e-2))
+    for _ in range(2):
+        state, _ = step(state, batch)
+    assert state.comm_state is not None
+    again = fdp.TrainState.create(apply_fn=None, params=fresh.params, tx=optax.adam(1e-2))
+    assert again.comm_state is None
+    again, _ = step(again, batch)  # filled, not refused by jit nor run without it
+    assert again.comm_state is not None
+
+
+def test_a_donated_state_passed_again_is_refused_on_the_steady_path():
+    step, state, _ = _linen(2)
+    batch = fdp.shard_batch(_batch())
+    old, _ = step(state, batch)
+    step(old, batch)
+    with pytest.raises(RuntimeError, match="donated to an earlier step"):
+        step(old, batch)
+    model = NNXMLP(2, nnx.Rngs(0))
+    nstep = fdp.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+    graphdef, first = nstep.split(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+    second, _ = nstep.apply(graphdef, first, batch)
+    nstep.apply(graphdef, second, batch)
+    with pytest.raises(RuntimeError, match="donated to an earlier step"):
+        nstep.apply(graphdef, first, batch)
