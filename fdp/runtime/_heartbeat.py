@@ -1,13 +1,14 @@
 """Where a worker is, for the ``fdp launch`` agent that watches it for hangs.
 
 The agent names a file in ``FDP_HEARTBEAT_FILE``; a worker overwrites it (128
-bytes, mapped into memory: no system call) when it starts or stops waiting for its
-peers outside the compiled program (a store key, a host collective), enters or leaves
-:func:`busy` (an evaluation, a checkpoint), compiles, and when its script has
-returned. Entering and finishing a step, the hot path, only update the record in
-memory (a tuple assignment); a daemon thread writes it out within
-:data:`FLUSH_SECONDS` of a change, so that a step costs no write at all, while the
-agent, which judges over tens of seconds, sees every worker's steps as before.
+bytes, mapped into memory: a copy, no system call) when it finishes a step, starts or
+stops waiting for its peers outside the compiled program (a store key, a host
+collective), enters or leaves :func:`busy` (an evaluation, a checkpoint), compiles,
+and when its script has returned. Entering a step only updates the record in memory (a
+tuple assignment); a daemon thread writes that out within :data:`FLUSH_SECONDS`, where
+a worker that stays inside the step (waiting for its peers) is seen by the agent,
+which judges over tens of seconds. A step costs one memory copy of the record, where it
+cost two ``pwrite`` calls.
 
 The agent reads the files to tell the worker that holds the others up (one that did
 not enter the step its peers wait in) from the peers that wait for it, to leave
@@ -186,7 +187,7 @@ def step_done() -> None:
     s["steps"] = (max(entered, finished + 1), finished + 1)
     if s["flag"] != "-":
         s["flag"] = "-"
-    _changed()
+    _write()  # at once: a worker stopped right after a step is named with that step
 
 
 def steps_done() -> int:
@@ -229,8 +230,8 @@ def busy() -> Iterator[None]:
     :class:`~fdp.CheckpointManager` does so itself), data that every process
     prepares. A worker that is stopped, or one its peers wait for in a step or
     a host collective for ``--hang-timeout``, is still hung, busy or not.
-    Sections nest, may be opened on any thread, and cost one ``pwrite`` each way
-    under the launcher (nothing outside it). Also a decorator.
+    Sections nest, may be opened on any thread, and cost one copy of the record
+    each way under the launcher (nothing outside it). Also a decorator.
 
     Example:
       >>> from fdp import runtime
