@@ -68,7 +68,7 @@ class Observer:
         """
         if self.level is None:
             return self._first_call(fn, config, plan, args)
-        return self._sample(fn, plan, args)
+        return self._sample(fn, (plan, *args), args[self._batch_arg])
 
     def run_compiled(self, compiled: Any, dynamic: tuple, args: tuple) -> Any:
         """Runs a call after the first: ``compiled(*dynamic)``, sampled as :meth:`run` samples.
@@ -79,17 +79,13 @@ class Observer:
           dynamic: its arguments (the step's, less the static ones).
           args: the step's arguments, for the batch.
         """
-        runtime = self.runtime
-        assert runtime is not None and self.level is not None  # set by the first call
-        out, sampled = runtime.run(compiled, dynamic, args[self._batch_arg], compiles=False)
-        if sampled and self.level >= DebugLevel.INFO:
-            logger.info("%s: %s", self._kind, runtime.summary())
-        return out
+        return self._sample(compiled, dynamic, args[self._batch_arg], compiles=False)
 
-    def _sample(self, fn: Any, plan: Any, args: tuple) -> Any:
+    def _sample(self, fn: Any, fn_args: tuple, batch: Any, *, compiles: bool = True) -> Any:
+        """``fn(*fn_args)`` through the runtime statistics; logs a sampled step at INFO."""
         runtime, level = self.runtime, self.level
         assert runtime is not None and level is not None  # set by the first call
-        out, sampled = runtime.run(fn, (plan, *args), args[self._batch_arg])
+        out, sampled = runtime.run(fn, fn_args, batch, compiles=compiles)
         if sampled and level >= DebugLevel.INFO:
             logger.info("%s: %s", self._kind, runtime.summary())
         return out
@@ -126,7 +122,7 @@ class Observer:
             )
         # Only now: if anything above raised, the next call is a first call again.
         self.level, self.runtime = level, runtime
-        return self._sample(fn, plan, args)
+        return self._sample(fn, (plan, *args), args[self._batch_arg])
 
     def stats(self) -> dict[str, Any]:
         """The runtime statistics, or ``{"enabled": False}`` when none are sampled."""
