@@ -47,7 +47,7 @@ import fdp
 from fdp.observe._gpu import gpu_mesh
 from fdp.observe._hlo import collective_stats
 from fdp.observe._schedule import read_schedule
-from fdp.step._state import linen_layout
+from fdp.step.core._state import linen_layout
 
 MiB = 1024 * 1024
 

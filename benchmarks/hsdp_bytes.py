@@ -25,7 +25,7 @@ import optax  # noqa: E402
 from flax.training.train_state import TrainState  # noqa: E402
 
 import fdp  # noqa: E402
-from fdp.step._policies import ShardOver  # noqa: E402
+from fdp.step.options._policies import ShardOver  # noqa: E402
 
 AXES = fdp.HOST_AXES
 MODES: list[tuple[int, ShardOver]] = [

@@ -145,7 +145,7 @@ def with_shardings(state, stage, mesh, simple: bool = False):
 
     ``simple``: split by :func:`first_divisible` instead of fdp's rule (plain jit rows).
     """
-    from fdp.step import _zero
+    from fdp.step.layout import _zero
 
     def put(tree, sharded):
         rule = simple_shardings if simple else lambda t, m: _zero.shardings(t, m, "data")
@@ -179,7 +179,7 @@ def addressable_bytes(tree) -> int:
 
 
 def grad_bytes(params, stage: int, n: int) -> int:
-    from fdp.step import _zero
+    from fdp.step.layout import _zero
 
     return _zero.held_bytes(params, n, sharded=stage >= 1).per_device  # scattered from 1
 

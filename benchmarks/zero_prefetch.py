@@ -10,10 +10,10 @@ sequences per device, Adam; width 512 by default) with XLA's GPU compiler for
 forward and backward gather the gemm fusions scheduled between its start and its
 done (``ScheduledCollective.products_in_flight``), under these settings:
 
-- ``PREFETCH_GROUPS`` (fdp.step._config): how many gather groups ahead a gather
+- ``PREFETCH_GROUPS`` (fdp.step.options._config): how many gather groups ahead a gather
   may start, in both passes (0: tied to its own use);
 - the group size, ``bucket_cap_mb`` (0.001 MiB: each use its own group);
-- ``PER_USE_IN_FLIGHT`` (fdp.step._config): async collectives XLA:GPU may keep in
+- ``PER_USE_IN_FLIGHT`` (fdp.step.options._config): async collectives XLA:GPU may keep in
   flight at once (``xla_gpu_experimental_parallel_collective_overlap_limit``; 1
   is XLA's default).
 
@@ -46,7 +46,7 @@ def compile_per_use(dim: int, ahead: int, cap_mb: float, in_flight: int, scanned
     import zero
 
     from fdp.observe import gpu_mesh
-    from fdp.step import _config
+    from fdp.step.options import _config
 
     family = {"depth": 8, "vocab": 8192, "seq": 256, "per_device": 2}
     mesh = gpu_mesh("h100_sxm", 8)

@@ -48,26 +48,26 @@ from fdp.runtime._checkpoint import CheckpointManager as CheckpointManager
 from fdp.runtime._checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from fdp.runtime._checkpoint import Restored as Restored
 from fdp.runtime._preemption import reached_preemption as reached_preemption
-from fdp.step._accumulate import Accumulated as Accumulated
-from fdp.step._accumulate import GradAccumulator as GradAccumulator
-from fdp.step._accumulate import grad_accumulator as grad_accumulator
-from fdp.step._comm_state import NNXCommState as NNXCommState
-from fdp.step._ddp import DDPFunction as DDPFunction
-from fdp.step._ddp import ddp as ddp
-from fdp.step._linen import DataParallelStep as DataParallelStep
-from fdp.step._linen import train_step as train_step
-from fdp.step._nnx import NNXDataParallelStep as NNXDataParallelStep
-from fdp.step._nnx import nnx_train_step as nnx_train_step
-from fdp.step._policies import Accumulation as Accumulation
-from fdp.step._policies import Loss as Loss
-from fdp.step._policies import Reduction as Reduction
-from fdp.step._policies import Sharding as Sharding
-from fdp.step._state import PerDevice as PerDevice
-from fdp.step._state import TrainState as TrainState
-from fdp.step._tune import TuneResult as TuneResult
-from fdp.step._tune import tune as tune
-from fdp.step._usage import ParamUsage as ParamUsage
-from fdp.step._usage import find_unused_parameters as find_unused_parameters
+from fdp.step._build import nnx_train_step as nnx_train_step
+from fdp.step._build import train_step as train_step
+from fdp.step._build import tune as tune
+from fdp.step.core._comm_state import NNXCommState as NNXCommState
+from fdp.step.core._state import PerDevice as PerDevice
+from fdp.step.core._state import TrainState as TrainState
+from fdp.step.front._accumulate import Accumulated as Accumulated
+from fdp.step.front._accumulate import GradAccumulator as GradAccumulator
+from fdp.step.front._accumulate import grad_accumulator as grad_accumulator
+from fdp.step.front._ddp import DDPFunction as DDPFunction
+from fdp.step.front._ddp import ddp as ddp
+from fdp.step.front._linen import DataParallelStep as DataParallelStep
+from fdp.step.front._nnx import NNXDataParallelStep as NNXDataParallelStep
+from fdp.step.grads._usage import ParamUsage as ParamUsage
+from fdp.step.grads._usage import find_unused_parameters as find_unused_parameters
+from fdp.step.options._policies import Accumulation as Accumulation
+from fdp.step.options._policies import Loss as Loss
+from fdp.step.options._policies import Reduction as Reduction
+from fdp.step.options._policies import Sharding as Sharding
+from fdp.step.tune._tune import TuneResult as TuneResult
 
 __all__ = [
     "Accumulated",

@@ -1,7 +1,7 @@
 """Running a jaxpr again, one equation at a time, through a rule of the caller's.
 
 Two of fdp's transformations trace a function once and then re-run its jaxpr with
-some equations changed: ZeRO stage 3's per-use gathers (:mod:`fdp.step._per_use`)
+some equations changed: ZeRO stage 3's per-use gathers (:mod:`fdp.step.grads._per_use`)
 and the CPU backend's ``fold_dots`` (:mod:`fdp.backends.cpu._fold`). Both walk the
 equations as ``jax.core.eval_jaxpr`` does; this is that walk, written once.
 

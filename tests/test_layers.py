@@ -34,7 +34,7 @@ LAYERS = {
     "fdp.observe._fingerprint": 1,
     # The NNX comm-hook state holder (plain flax): checkpoints name it to move fdp
     # 0.1's layout (runtime/_ckpt_legacy.py), so it sits below them, not with the step.
-    "fdp.step._comm_state": 1,
+    "fdp.step.core._comm_state": 1,
     # 2. Comm hooks and the bucketed reduction.
     "fdp.hooks": 2,
     # 3. Platform backends (fdp.backends.cpu) and the dispatch that picks one.
@@ -52,9 +52,10 @@ LAYERS = {
     "fdp.__main__": 5,
 }
 
-# The one import cycle left, between the tuner and the two front ends it builds
-# (issue 30 merges the front ends into one step class).
-KNOWN_CYCLES = [{"fdp.step._linen", "fdp.step._nnx", "fdp.step._tune"}]
+# Inside the step (layer 4), its folders in the order the call path is built: each
+# imports only those before it. The builders (_build: fdp.train_step, nnx_train_step,
+# tune) sit on top, so the tuner and the front ends never import each other's builders.
+STEP_ORDER = ("layout", "options", "grads", "core", "front", "tune", "_build")
 
 BACKEND = "fdp.backends.cpu"
 
@@ -172,8 +173,32 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_no_import_cycles():
-    cycles = [c for c in _cycles(GRAPH) if c not in KNOWN_CYCLES]
+    cycles = _cycles(GRAPH)
     assert not cycles, cycles
+
+
+def _step_part(module: str) -> int | None:
+    """Where ``module`` stands in :data:`STEP_ORDER` (None: not a part of fdp.step)."""
+    parts = module.split(".")
+    if parts[:2] != ["fdp", "step"] or len(parts) < 3 or parts[2] == "__init__":
+        return None
+    return STEP_ORDER.index(parts[2])
+
+
+def _step_upward(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{a} imports {b}"
+        for a, targets in graph.items()
+        if (at := _step_part(a)) is not None
+        for b in targets
+        if (bt := _step_part(b)) is not None and bt > at
+    ]
+
+
+def test_the_step_folders_import_only_those_below():
+    upward = _step_upward(GRAPH)
+    assert not upward, "\n".join(upward)
+    assert {m.split(".")[2] for m in MODULES if _step_part(m) is not None} == set(STEP_ORDER)
 
 
 def test_generic_code_never_imports_the_cpu_backend():
@@ -206,7 +231,15 @@ def test_the_checks_see_imports_of_every_form(tmp_path, monkeypatch, source, exp
 
 
 def test_the_checks_flag_an_upward_import_and_a_cycle():
-    graph = {"fdp.hooks._basic": {"fdp.step._config"}, "fdp.step._config": {"fdp.hooks._basic"}}
-    assert _upward(graph) == ["fdp.hooks._basic (layer 2) imports fdp.step._config (layer 4)"]
-    assert _cycles(graph) == [{"fdp.hooks._basic", "fdp.step._config"}]
+    graph = {
+        "fdp.hooks._basic": {"fdp.step.options._config"},
+        "fdp.step.options._config": {"fdp.hooks._basic"},
+    }
+    assert _upward(graph) == [
+        "fdp.hooks._basic (layer 2) imports fdp.step.options._config (layer 4)"
+    ]
+    assert _cycles(graph) == [{"fdp.hooks._basic", "fdp.step.options._config"}]
+    # The circle this layout removed: a front end importing the tuner that builds it.
+    tuner = {"fdp.step.front._linen": {"fdp.step.tune._tune"}}
+    assert _step_upward(tuner) == ["fdp.step.front._linen imports fdp.step.tune._tune"]
     assert layer("fdp.runtime._store") < layer("fdp.backends.cpu._shm") < layer("fdp.runtime._init")

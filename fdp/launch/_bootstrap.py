@@ -44,7 +44,7 @@ from types import TracebackType
 
 _PR_SET_PDEATHSIG = 1
 # The attribute by which an fdp error that every process raises names the process at
-# fault (FDP_CHECK_FINITE's FloatingPointError: fdp.step._finite.BLAMES_ATTR); the
+# fault (FDP_CHECK_FINITE's FloatingPointError: fdp.step.grads._finite.BLAMES_ATTR); the
 # agent's summary blames that rank. Spelled out here: this file imports no fdp.
 BLAMES_ATTR = "fdp_blames_process"
 

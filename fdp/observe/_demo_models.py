@@ -164,9 +164,9 @@ def gpu_step(
 
     from fdp.data._placement import replicate
     from fdp.observe._gpu import gpu_mesh
-    from fdp.step._linen import train_step
-    from fdp.step._policies import Reduction
-    from fdp.step._state import TrainState
+    from fdp.step._build import train_step
+    from fdp.step.core._state import TrainState
+    from fdp.step.options._policies import Reduction
 
     if name not in MODELS:
         raise ValueError(

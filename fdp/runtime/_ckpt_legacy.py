@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from fdp.runtime._ckpt_tree import flat, is_node, path_name, to_tree
-from fdp.step._comm_state import LEGACY_ATTR, NNXCommState
+from fdp.step.core._comm_state import LEGACY_ATTR, NNXCommState
 
 
 @dataclasses.dataclass(frozen=True)

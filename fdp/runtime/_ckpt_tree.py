@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from fdp._extended import is_extended, to_raw
-from fdp.step._comm_state import LEGACY_ATTR, NNXCommState
+from fdp.step.core._comm_state import LEGACY_ATTR, NNXCommState
 
 # Top-level keys of ``nnx.state(optimizer)`` in flax 0.12 (plus the comm hook state
 # fdp 0.1 set on it).
@@ -109,7 +109,7 @@ def zero_padding(path: str, template: tuple[int, ...], saved: tuple[int, ...]) -
 
     The step keeps an optimizer-state leaf that no dimension of the number of
     devices divides padded with zeros at the end of one dimension
-    (``fdp.step._padding``); which dimension, and by how much, depends on the
+    (``fdp.step.layout._padding``); which dimension, and by how much, depends on the
     number of devices. A checkpoint of it restores onto another stage or device
     count by padding or cutting the ends of its dimensions: the leaf's own values
     sit at the start of each dimension, zeros after them. Only optimizer-state

@@ -5,7 +5,7 @@ import pytest
 import fdp
 from fdp import backends
 from fdp.backends import cpu
-from fdp.step._config import StepConfig
+from fdp.step.options._config import StepConfig
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from flax.training.train_state import TrainState
 import fdp
 from fdp.backends.cpu._fold import NESTED, SHARDED, FoldCount, count_folds, fold_leading_dims
 from fdp.observe._fingerprint import settings_fingerprint
-from fdp.step._config import StepConfig
+from fdp.step.options._config import StepConfig
 
 
 def _dots(jaxpr) -> list[tuple]:
@@ -212,7 +212,7 @@ class _ScannedMLP(nn.Module):
 
 def test_a_loss_with_nothing_to_fold_is_not_rewritten(monkeypatch):
     """On main the scanned loss was traced to a jaxpr and evaluated again, for nothing."""
-    from fdp.step import _core
+    from fdp.step.core import _core
 
     rewritten = []
     monkeypatch.setattr(

@@ -17,7 +17,7 @@ import fdp
 from fdp.bucketing import plan_for
 from fdp.hooks._compressed import compressed_mean, wire_ratio
 from fdp.observe._hlo import collective_stats
-from fdp.step._config import StepConfig
+from fdp.step.options._config import StepConfig
 
 N = 8
 MESH = fdp.data_mesh()

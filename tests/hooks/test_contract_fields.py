@@ -8,7 +8,7 @@ from _hook_harness import N, make_grads, run_hook
 import fdp
 from fdp import hooks
 from fdp.hooks._contract import stateless_init
-from fdp.step._config import StepConfig
+from fdp.step.options._config import StepConfig
 
 
 def _mean(state, bucket):

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import fdp
 from fdp import hooks
-from fdp.step._config import StepConfig
+from fdp.step.options._config import StepConfig
 
 
 def torch_group_size(levels, warmup_steps, step):

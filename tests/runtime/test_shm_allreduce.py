@@ -251,7 +251,7 @@ def test_the_switch_names_itself_when_it_is_neither_on_nor_off(monkeypatch):
 def test_one_process_keeps_the_default_hook_as_it_is():
     """In one process (this test's 8 CPU devices) the step binds no shared-memory sum."""
     from fdp.hooks._basic import is_default
-    from fdp.step._config import StepConfig
+    from fdp.step.options._config import StepConfig
 
     bound = StepConfig().bind()
     assert is_default(bound.comm_hook) and bound.check_vma

@@ -14,8 +14,8 @@ from flax.training.train_state import TrainState
 import fdp
 from fdp import _compat
 from fdp.hooks._contract import mean_all_reduce
-from fdp.step._config import StepConfig
-from fdp.step._local_grads import local_gradients
+from fdp.step.grads._local_grads import local_gradients
+from fdp.step.options._config import StepConfig
 
 N, K, B = 8, 4, 2  # devices, micro-batches, examples per device per micro-batch
 

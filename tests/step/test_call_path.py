@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import fdp
-from fdp.step import _plan
+from fdp.step.core import _plan
 
 
 class MLP(nn.Module):
@@ -163,7 +163,7 @@ def test_new_signatures_plan_again_and_old_ones_do_not(monkeypatch):
     planned = []
     prepare = _plan.prepare
     monkeypatch.setattr(
-        "fdp.step._linen.prepare", lambda *a, **k: planned.append(a[2]) or prepare(*a, **k)
+        "fdp.step.front._linen.prepare", lambda *a, **k: planned.append(a[2]) or prepare(*a, **k)
     )
     small, large = fdp.shard_batch(_batch(8)), fdp.shard_batch(_batch(16, seed=1))
     params = jax.device_get(state.params)

@@ -7,7 +7,7 @@ import pytest
 from _procs import run
 
 import fdp
-from fdp.step._config import StepConfig
+from fdp.step.options._config import StepConfig
 
 LAZY = """
 import jax, jax.numpy as jnp, optax

@@ -1,6 +1,6 @@
 """A loss that constrains activations on the data axis (MaxText style): refused with the fix.
 
-fdp/step/_constraints.py. Inside the step's shard_map JAX raises an error that does not
+fdp/step/grads/_constraints.py. Inside the step's shard_map JAX raises an error that does not
 mention fdp; the step must refuse such a loss before tracing it, Linen and NNX, and
 leave constraints on other meshes alone.
 """
@@ -89,7 +89,7 @@ def test_a_constraint_on_another_axis_is_not_the_steps_business():
     def loss(w, x):
         return jax.lax.with_sharding_constraint(x @ w, sharding).sum()
 
-    from fdp.step._constraints import check_no_data_constraints
+    from fdp.step.grads._constraints import check_no_data_constraints
 
     closed = jax.make_jaxpr(loss)(jnp.ones((4, 4)), jnp.ones((8, 4)))
     check_no_data_constraints(closed.jaxpr, ("data",))  # no error

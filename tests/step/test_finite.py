@@ -14,7 +14,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fdp
-from fdp.step import _finite
+from fdp.step.grads import _finite
 
 
 def run(batches, **step_options):

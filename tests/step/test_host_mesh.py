@@ -15,7 +15,7 @@ from flax import nnx
 
 import fdp
 from fdp.observe._hlo import collective_stats
-from fdp.step._config import StepConfig
+from fdp.step.options._config import StepConfig
 
 AXES = fdp.HOST_AXES
 STEPS = 3

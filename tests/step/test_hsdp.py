@@ -18,8 +18,8 @@ from flax.training.train_state import TrainState
 import fdp
 from fdp.hooks import allreduce, reduce_with_hook
 from fdp.observe._hlo import collective_stats
-from fdp.step._hybrid import hybrid
-from fdp.step._policies import ShardOver
+from fdp.step.layout._hybrid import hybrid
+from fdp.step.options._policies import ShardOver
 
 AXES = fdp.HOST_AXES
 STEPS = 3
@@ -69,7 +69,7 @@ def close(got, want, atol=1e-6):
 
 
 def close_padded(got, want, over: ShardOver):
-    """Optimizer state kept padded (fdp.step._padding) equal to ``want`` where it is not
+    """Optimizer state kept padded (fdp.step.layout._padding) equal to ``want`` where it is not
     padding, zeros in the padding; the one leaf 4 (or 8) does not divide, the head's bias
     of 10, is padded for the devices the state is sharded over: 12 inside a host, 16 over all.
     """

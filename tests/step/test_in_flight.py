@@ -1,4 +1,4 @@
-"""The bound on queued steps that jax 0.10's XLA:CPU needs (fdp/step/_in_flight.py).
+"""The bound on queued steps that jax 0.10's XLA:CPU needs (fdp/step/core/_in_flight.py).
 
 jaxlib 0.10.2 aborts a process whose multi-device CPU steps queue up unawaited
 (``rendezvous.cc: Termination timeout for all reduce``): 3,000 plain-jit steps on 2
@@ -12,8 +12,8 @@ from _procs import WORKERS, run
 
 import fdp
 from fdp import _compat
-from fdp.step._in_flight import InFlight
-from fdp.step._runner import in_flight
+from fdp.step.core._in_flight import InFlight
+from fdp.step.core._runner import in_flight
 
 
 def test_past_the_limit_the_oldest_call_is_waited_for():

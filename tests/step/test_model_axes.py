@@ -473,7 +473,7 @@ def test_zero3_gathers_a_model_split_leaf_where_it_lies():
     # operand of an all-gather over 'data' on the 'model' axis it owns: a kernel split
     # over 'model' was gathered whole over 'model' first, and its gradient (the
     # transpose) reduce-scattered whole. gather_leaf gathers each device's model shard.
-    from fdp.step._zero import gather_leaf
+    from fdp.step.layout._zero import gather_leaf
 
     mesh = mesh_of((4, 2))
     w = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data", "model")))

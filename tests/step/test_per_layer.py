@@ -1,4 +1,6 @@
-"""ZeRO stage 3 on scanned layer stacks: each layer gathered inside the loop (fdp/step/_per_use.py).
+"""ZeRO stage 3 on scanned layer stacks: each layer gathered inside the loop.
+
+The code: fdp/step/grads/_per_use.py.
 
 A stack under ``nn.scan``/``nnx.scan`` is one stacked parameter per leaf, used by one
 ``scan``. Stage 0 is the reference: stage 3 must end where it does. The compiled

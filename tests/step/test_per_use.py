@@ -1,4 +1,4 @@
-"""ZeRO stage 3 gathering each parameter where it is used (fdp/step/_per_use.py).
+"""ZeRO stage 3 gathering each parameter where it is used (fdp/step/grads/_per_use.py).
 
 Stage 0 (DDP) is the reference: stage 3 must end where it does, whichever way it
 gathers. The compiled program must gather in the forward and again in the backward
@@ -28,7 +28,7 @@ from test_zero import (
 
 import fdp
 from fdp.observe._hlo import collective_stats, loop_collectives
-from fdp.step._padding import unpad_like
+from fdp.step.layout._padding import unpad_like
 
 
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adam", "adamw_decay_mask"])
@@ -292,8 +292,8 @@ def test_gathers_in_groups_tied_ahead_give_the_gradients_of_gathers_tied_to_thei
 @functools.cache  # each case's ungrouped reference is computed once
 def _per_use_gradients(case, ahead, group_bytes, metric):
     """Loss and gradients of ``case`` through per_use_objective on 8 simulated devices."""
-    from fdp.step._per_use import per_use_objective
-    from fdp.step._zero import shard_dim
+    from fdp.step.grads._per_use import per_use_objective
+    from fdp.step.layout._zero import shard_dim
 
     mesh = fdp.data_mesh()
     loss_fn, params, batch = case(np.random.default_rng(0))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import fdp
-from fdp.step._policies import with_candidate as candidate
+from fdp.step.options._policies import with_candidate as candidate
 
 
 def loss_fn(params, batch):

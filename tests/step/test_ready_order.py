@@ -13,7 +13,7 @@ import optax
 
 import fdp
 from fdp.bucketing import plan_for
-from fdp.step._ready import ready_order
+from fdp.step.grads._ready import ready_order
 
 
 class Tower(nn.Module):

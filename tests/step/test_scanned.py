@@ -1,6 +1,6 @@
 """Stages 0-2 on scanned layer stacks: each layer's gradient reduced in the backward loop.
 
-fdp/step/_scanned.py. The reference is one device stepping on the whole batch (plain
+fdp/step/grads/_scanned.py. The reference is one device stepping on the whole batch (plain
 optax), and stage 0 for stages 1-2; the program must all-reduce (stage 0) or
 reduce-scatter (stages 1-2) inside the loop, and stage 0 peak no higher than plain
 ``jit`` data parallelism on the same model.

@@ -17,7 +17,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fdp
-from fdp.step._sharded_init import jit_build, shardings_of
+from fdp.step.layout._sharded_init import jit_build, shardings_of
 
 N = 8
 TX = optax.adam(1e-2)

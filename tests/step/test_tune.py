@@ -12,7 +12,7 @@ import pytest
 from _models import cross_entropy, make_data, make_state
 
 import fdp
-from fdp.step import _tune
+from fdp.step.tune import _tune
 
 pytestmark = pytest.mark.usefixtures("fdp_debug")
 FAST = dict(steps=1, rounds=1, warmup=0)
@@ -113,9 +113,9 @@ def test_the_race_between_the_default_and_the_fastest_screened_decides(monkeypat
     def fake_time_rounds(steps_of, states, cands, rounds, steps, args):
         calls.append((list(cands), rounds))
         if len(calls) == 1:  # screening: the others are faster, the last one fastest
-            return {c: 1.0 if c == _tune._DEFAULT else 0.9 - 0.1 * i for i, c in enumerate(cands)}
+            return {c: 1.0 if c == _tune.DEFAULT else 0.9 - 0.1 * i for i, c in enumerate(cands)}
         # the race: the second fastest of the screening (third finalist) wins
-        return {c: 1.0 if c == _tune._DEFAULT else race[cands.index(c)] for c in cands}
+        return {c: 1.0 if c == _tune.DEFAULT else race[cands.index(c)] for c in cands}
 
     monkeypatch.setattr(_tune, "_time_rounds", fake_time_rounds)
     state, loss_fn, batch = setup()
@@ -128,10 +128,10 @@ def test_the_race_between_the_default_and_the_fastest_screened_decides(monkeypat
         (screened, _), (finals, race_rounds) = calls
         assert len(screened) >= 4 and race_rounds == 5
         # The default and the two fastest others of the screening race.
-        assert finals == [_tune._DEFAULT, screened[-1], screened[-2]]
+        assert finals == [_tune.DEFAULT, screened[-1], screened[-2]]
         assert set(result.race_s) == set(finals)
         chosen = (result.bucket_cap_mb, result.layout)
-        assert chosen == (_tune._DEFAULT if keeps_default else screened[-2])
+        assert chosen == (_tune.DEFAULT if keeps_default else screened[-2])
 
     # No race with one finalist: the screening decides.
     calls.clear()

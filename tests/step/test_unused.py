@@ -11,7 +11,7 @@ from _models import make_data
 from flax.training.train_state import TrainState
 
 import fdp
-from fdp.step._usage import CONDITIONAL, UNUSED, USED, analyse_usage
+from fdp.step.grads._usage import CONDITIONAL, UNUSED, USED, analyse_usage
 
 
 def test_analysis_of_branches_calls_and_aux():

@@ -1,4 +1,4 @@
-"""The update written once (fdp/step/_update.py): both front ends, stage 0 and ZeRO alike."""
+"""The update written once (fdp/step/core/_update.py): both front ends, stage 0 and ZeRO alike."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import fdp
-from fdp.step._step import Step
+from fdp.step.core._step import Step
 
 
 class Routed(nnx.Module):

@@ -18,8 +18,8 @@ from flax import nnx
 from flax.training.train_state import TrainState
 
 import fdp
-from fdp.step._padding import pad_dim, padded_shape
-from fdp.step._zero import memory_table
+from fdp.step.layout._padding import pad_dim, padded_shape
+from fdp.step.layout._zero import memory_table
 
 N = 8
 STEPS = 3

@@ -1,0 +1,1 @@
+"""A step's settings: the four policies, and `StepConfig`, their rules checked once."""
