@@ -85,17 +85,26 @@ def gpu_mesh():
     is missing, the tier installs it once (FDP_GPU_COMPILER_INSTALL=0 says not to) and
     skips, with the reason, where that fails (no package index, another jaxlib).
     """
+    import fcntl
     import os
 
     from fdp.observe import _gpu
 
     status = _gpu.gpu_compiler_status()
     if status is not None and os.environ.get("FDP_GPU_COMPILER_INSTALL", "1") != "0":
-        try:
-            _gpu.install_compiler()
-        except RuntimeError as e:
-            pytest.skip(f"{status}; installing it failed: {e}")
-        status = _gpu.gpu_compiler_status()
+        # Each pytest-xdist worker gets here: one installs, the others wait on the lock
+        # and then find it installed (two pips writing one folder would break it).
+        folder = _gpu.compiler_dir()
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            status = _gpu.gpu_compiler_status()
+            if status is not None:
+                try:
+                    _gpu.install_compiler()
+                except RuntimeError as e:
+                    pytest.skip(f"{status}; installing it failed: {e}")
+                status = _gpu.gpu_compiler_status()
     if status is not None:
         pytest.skip(status)
     return _gpu.gpu_mesh("h100_sxm", 8)
