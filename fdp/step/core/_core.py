@@ -25,8 +25,8 @@ from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_ove
 from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
 from fdp.hooks._contract import bucket_key
-from fdp.step.grads import _finite as finite
 from fdp.step.core._plan import StepPlan
+from fdp.step.grads import _finite as finite
 from fdp.step.grads._keys import per_device
 from fdp.step.grads._local_grads import LossWeights, Objective, local_gradients
 from fdp.step.grads._mixed import cast_floats, compute_in, master_gradients

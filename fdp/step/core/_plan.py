@@ -14,8 +14,8 @@ import numpy as np
 from fdp.backends import FoldCount, count_in_jaxpr
 from fdp.bucketing import BucketPlan, plan_for
 from fdp.data._model_axes import Specs
-from fdp.step.grads import _finite as finite
 from fdp.step.core._state import hook_is_stateful
+from fdp.step.grads import _finite as finite
 from fdp.step.grads._constraints import check_no_data_constraints, communicates_over
 from fdp.step.grads._local_grads import accum_dtype_for
 from fdp.step.grads._ready import ready_order_of
