@@ -110,6 +110,16 @@ def _mapped() -> mmap.mmap | None:
     return m or None
 
 
+def active() -> bool:
+    """Whether this process writes a heartbeat (it runs under ``fdp launch``).
+
+    Example:
+      >>> isinstance(active(), bool)
+      True
+    """
+    return _mapped() is not None
+
+
 def _write() -> None:
     """Writes the record out now (a change the agent must see at once)."""
     _state["changes"] += 1  # any change shows, even one undone before the agent reads

@@ -207,3 +207,104 @@ def test_a_donated_state_passed_again_is_refused_on_the_steady_path():
     nstep.apply(graphdef, second, batch)
     with pytest.raises(RuntimeError, match="donated to an earlier step"):
         nstep.apply(graphdef, first, batch)
+
+
+# One device: jax 0.10's multi-device CPU mesh bounds the steps in flight, a per-call
+# task that keeps its steps off the program-alone path; one device needs nothing per call.
+def _one_device():
+    return fdp.data_mesh(jax.devices()[:1])
+
+
+def _jit_call(depth):
+    """A steady call of plain jit doing the Linen step's work on the same kind of state."""
+    _, state, loss_fn = _linen(depth, mesh=_one_device())
+
+    @jax.jit
+    def plain(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    batch = _batch()
+    return _steady(lambda s: plain(s, batch), jax.device_get(state))
+
+
+def test_a_steady_call_needing_nothing_else_is_its_program_alone():
+    """No Python of fdp's beyond the call itself: what jit's own call costs, plus a frame
+    for the step's ``__call__`` and one for ``jax.stages.Compiled.__call__``."""
+    mesh = _one_device()
+    step, state, _ = _linen(2, mesh=mesh)
+    batch = fdp.shard_batch(_batch(), mesh=mesh)
+    linen = _python_calls(_steady(lambda s: step(s, batch), state))
+    assert linen <= _python_calls(_jit_call(2)) + 2, linen
+    model = NNXMLP(2, nnx.Rngs(0))
+    nstep = fdp.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), mesh=mesh)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    graphdef, nstate = nstep.split(model, optimizer)
+    kept = jax.device_get(nstate)  # the step donates its state; jit gets a copy
+    nnx_calls = _python_calls(_steady(lambda s: nstep.apply(graphdef, s, batch), nstate))
+    same = jax.jit(lambda s, b: (jax.tree.map(lambda x: x + 0, s), {"loss": b["x"].sum()}))
+    assert nnx_calls <= _python_calls(_steady(lambda s: same(s, batch), kept)) + 2, nnx_calls
+
+
+def test_the_program_alone_passes_other_signatures_and_donated_states_on():
+    mesh = _one_device()
+    step, state, loss_fn = _linen(2, mesh=mesh)
+    want = jax.device_get(state)
+    for rows in (8, 8, 8, 16, 16, 8, 8):  # steady, then a new batch size, then back
+        batch = _batch(rows, seed=rows)
+        want_loss = loss_fn(want.params, batch)
+        want = want.apply_gradients(grads=jax.grad(loss_fn)(want.params, batch))
+        old, (state, metrics) = state, step(state, fdp.shard_batch(batch, mesh=mesh))
+        np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-5)
+    assert step._alone is not None  # the steady calls took it
+    with pytest.raises(RuntimeError, match="donated to an earlier step"):
+        step(old, fdp.shard_batch(_batch(), mesh=mesh))
+    with pytest.raises(TypeError, match="state must be a flax.training.train_state.TrainState"):
+        step({"params": state.params}, fdp.shard_batch(_batch(), mesh=mesh))
+    chex.assert_trees_all_close(jax.device_get(state.params), want.params, rtol=1e-5, atol=1e-6)
+
+
+def test_the_numerics_guard_keeps_its_per_call_check(monkeypatch):
+    from fdp.step.grads import _finite
+
+    monkeypatch.setenv(_finite.ENV_VAR, "1")
+    mesh = _one_device()
+    step, state, _ = _linen(2, mesh=mesh)
+    for _ in range(3):
+        state, _ = step(state, fdp.shard_batch(_batch(), mesh=mesh))
+    assert step._alone is None  # the guard reads each call's codes
+    bad = _batch()
+    bad["x"][3] = np.nan
+    with pytest.raises(FloatingPointError, match="at call 4 of this step"):
+        step(state, fdp.shard_batch(bad, mesh=mesh))
+
+
+def test_an_fdp_ddp_call_like_the_last_is_its_program_alone():
+    mesh = _one_device()
+
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(x @ params["w"]) ** 2)
+
+    def sgd(params, batch, reduce=fdp.reduce_gradients):
+        grads = reduce(jax.grad(loss)(params, batch["x"]))
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return new, {"loss": loss(params, batch["x"])}
+
+    def one_device(params, batch):  # the reference: the whole batch's gradient as it is
+        return sgd(params, batch, reduce=lambda grads: grads)
+
+    step = fdp.ddp(sgd, mesh=mesh, batch_argnums=1)
+    params = fdp.replicate({"w": jnp.full((4, 1), 0.1)}, mesh=mesh)
+    batch = fdp.shard_batch(_batch(), mesh=mesh)
+    calls = _python_calls(_steady(lambda p: step(p, batch), params))
+    plain = jax.jit(one_device)
+    assert calls <= _python_calls(_steady(lambda p: plain(p, batch), params)) + 2, calls
+    # Another batch size is refused by the program and planned; then taken alone again.
+    want = jax.device_get(params)
+    for rows in (8, 16, 16, 8, 8):
+        batch = _batch(rows, seed=rows)
+        want, want_metrics = one_device(want, batch)
+        params, metrics = step(params, fdp.shard_batch(batch, mesh=mesh))
+        np.testing.assert_allclose(float(metrics["loss"]), float(want_metrics["loss"]), rtol=1e-5)
+    assert step._alone is not None
+    chex.assert_trees_all_close(jax.device_get(params), want, rtol=1e-5, atol=1e-6)

@@ -26,9 +26,9 @@ from fdp.observe._fingerprint import check_settings_across_processes, settings_f
 from fdp.observe._observer import Observer, logging_data
 from fdp.observe._stats import StatsSchedule
 from fdp.runtime import _heartbeat as heartbeat
-from fdp.step.grads import _finite as finite
 from fdp.step.core._in_flight import InFlight
 from fdp.step.core._plan import StepPlan
+from fdp.step.grads import _finite as finite
 from fdp.step.grads._key_reuse import KeyReuse
 from fdp.step.grads._usage import ParamUsage
 from fdp.step.layout._zero import memory_table, shape_structs
@@ -41,6 +41,9 @@ class Fast(NamedTuple):
     plan: StepPlan
     compiled: Any  # jax.stages.Compiled: takes the dynamic arguments alone
     statics: tuple  # the static arguments it was compiled for
+    # Whether a call needs nothing but the program: no in-flight bound, no numerics guard,
+    # no observer, no heartbeat (not under fdp launch). Then the front end calls it alone.
+    alone: bool
 
 
 class StepRunner:
@@ -98,6 +101,9 @@ class StepRunner:
         # module's docstring).
         self._fast: Fast | None = None
         self._programs: dict[Any, Fast] = {}  # per signature: a call switching between shapes
+        # The last program itself, once a call with its signature needs nothing else
+        # (:meth:`_program_alone`): the front end calls it directly, jit's own cost.
+        self._alone: Any = None
 
     @property
     def config(self) -> StepConfig:
@@ -234,6 +240,16 @@ class StepRunner:
             )
         return self._jitted
 
+    def _passed_on(self, error: Exception, probe: Any) -> bool:
+        """Whether the program alone refused a call (another signature, a donated state).
+
+        It refuses in C++ before anything runs: ``TypeError``/``ValueError`` for other
+        shapes, trees or shardings (and, on jaxlib 0.10, a deleted array), a
+        ``RuntimeError`` for a deleted array on 0.11+. The call then takes the path
+        with every check, which names the mistake. Any other error is the program's own.
+        """
+        return not isinstance(error, RuntimeError) or _deleted(probe)
+
     def _run_fast(self, *args: Any) -> Any:
         """A call like the last one: its compiled program, called as it is (O(1) Python).
 
@@ -288,11 +304,31 @@ class StepRunner:
             self._ran.add(plan)
             if self._queue is False:
                 self._queue = in_flight(self.config.mesh)
-        self._fast = Fast(plan, compiled, args[:n])
+        if fast is None:
+            fast = Fast(plan, compiled, args[:n], self._nothing_per_call(out))
+        self._fast = fast
+        self._alone = None  # until the front end's next call asks (_program_alone)
         if len(self._programs) >= 64:  # new shapes every call: keep memory bounded
             self._programs.clear()
-        self._programs[key] = self._fast
+        self._programs[key] = fast
         return self._finish(out)
+
+    def _nothing_per_call(self, out: Any) -> bool:
+        """Whether a call of this program needs nothing but the program (``Fast.alone``)."""
+        guarded = isinstance(out, tuple) and isinstance(out[-1], dict) and finite.KEY in out[-1]
+        return self._queue is None and not guarded and not heartbeat.active()
+
+    def _program_alone(self) -> Any:
+        """The last program, to call alone from now on, or None while a call needs more.
+
+        More is needed while the observer samples, while the second call's key is
+        to be compared with the first's, or where :attr:`Fast.alone` says so.
+        """
+        fast = self._fast
+        if fast is None or not fast.alone or self._observer.on or not self._key_reuse.settled:
+            return None
+        self._alone = fast.compiled
+        return self._alone
 
     def _finish(self, out: Any) -> Any:
         """After a call: the in-flight bound, the numerics guard, the heartbeat."""

@@ -69,6 +69,10 @@ class _Layout:
     out_treedef: Any = None
     out_rules: tuple[str, ...] = ()
     state_rules: tuple[str, ...] = ()
+    # The program takes the call's arguments as given and returns its outputs' tree: no
+    # NNX objects, static or keyword arguments, nor an in-flight bound to feed. Then a
+    # call like the last one is that program's call alone (jit's cost).
+    alone: bool = False
 
     @property
     def call(self) -> tuple:
@@ -198,6 +202,8 @@ class DDPFunction:
         self._layouts: dict[Any, tuple[_Layout, Any]] = {}  # layout and program per signature
         self._jitted: Any = None
         self._fast: tuple[_Layout, Any] | None = None  # the last call's layout and program
+        self._alone: Any = None  # the last program, where its layout is ``alone``
+        self._jitted_alone: Any = None
         self._smallest = 0  # which of its outputs the in-flight bound holds
         self._queue: InFlight | bool | None = False  # False: not decided yet
         try:
@@ -446,6 +452,8 @@ class DDPFunction:
             nodes = tuple(args[i] for i in base.node_positions)
             base = dataclasses.replace(base, metric_leaves=_metric_leaves(nodes, state))
         layout = self._classify(base, keys, state, others)
+        alone = base.graphdef is None and not base.statics and not base.keywords
+        layout = dataclasses.replace(layout, alone=alone and self._queue is None)
         if len(self._layouts) >= 64:  # new shapes every call: keep memory bounded
             self._layouts.clear()
         self._layouts[key] = found = (layout, self._compile(layout, keys, state, others))
@@ -467,12 +475,20 @@ class DDPFunction:
         except (TypeError, ValueError):
             return None
 
+    def _run_alone(self, layout: _Layout, *args: Any) -> Any:
+        """:meth:`_run` for an ``alone`` layout: the arguments as given, the outputs' tree."""
+        out_leaves, _ = self._run(layout, None, None, args)
+        return jax.tree.unflatten(layout.out_treedef, list(out_leaves))
+
     def _compile(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> Any:
         """The program for ``layout`` and these arguments' signature (jit's caches hold it)."""
         if self._jitted is None:
             self._jitted = jax.jit(self._run, static_argnums=(0,))
+            self._jitted_alone = jax.jit(self._run_alone, static_argnums=(0,))
         token = REDUCTION_TRACE.set(ReductionTrace())
         try:
+            if layout.alone:
+                return self._jitted_alone.lower(layout, *others).compile()
             return self._jitted.lower(layout, keys, state, others).compile()
         finally:
             REDUCTION_TRACE.reset(token)
@@ -503,6 +519,12 @@ class DDPFunction:
                 ) from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        alone = self._alone
+        if alone is not None and not kwargs:
+            try:  # the last program, taking these arguments as they are: jit's cost
+                return alone(*args)
+            except (TypeError, ValueError):  # another signature: refused before it ran
+                pass
         args, keywords = self._bind(args, kwargs)
         shape = self._call_shape(args, keywords)
         statics = tuple((i, args[i]) for i in shape.static)
@@ -523,15 +545,19 @@ class DDPFunction:
         ran = self._run_fast(call, keys, state, others)
         if ran is None:
             self._check_statics(statics)
+            if self._queue is False:  # decided at the first call (the mesh's platform)
+                self._queue = in_flight(self.mesh)
             base = _Layout(graphdef, node_positions, batch, (), statics, keywords)
             layout, compiled = self._program(base, args, (keys, state, others))
+            if layout.alone:
+                self._fast, self._alone = None, compiled
+                return compiled(*others)
+            self._alone = None
             ran = layout, compiled(keys, state, others)
             self._fast = (layout, compiled)
             sizes = [x.size for x in ran[1][0]]  # the output the in-flight bound holds
             self._smallest = sizes.index(min(sizes)) if sizes else 0
         layout, (out_leaves, new_state) = ran
-        if self._queue is False:  # decided at the first call (the mesh's platform)
-            self._queue = in_flight(self.mesh)
         if isinstance(self._queue, InFlight) and out_leaves:
             self._queue.hold(out_leaves[self._smallest])
         if nodes:

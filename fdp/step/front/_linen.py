@@ -266,13 +266,22 @@ class DataParallelStep(Step):
         self, state: Any, batch: Any, rng: Any = None, mask: Any = None
     ) -> tuple[Any, dict[str, Any]]:
         """Runs one step: ``(state, batch[, rng][, mask]) -> (state, metrics)``."""
+        alone = self._alone
+        if alone is not None:  # the last signature's program, needing nothing else: jit's cost
+            try:
+                return alone(state, batch, rng, mask)
+            except (TypeError, ValueError, RuntimeError) as e:
+                if not self._passed_on(e, getattr(state, "step", None)):
+                    raise
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         _check_state(state)
         self._key_reuse.seen(rng)
-        if self._fast is not None:  # a signature seen before: jit's dispatch alone
+        if self._fast is not None:  # a signature seen before: its compiled program
             self._check_alive(getattr(state, "step", None), (None, state, batch, rng, mask))
             out = self._run_fast(None, state, batch, rng, mask)
             if out is not STALE:
+                if alone is None:
+                    self._program_alone()
                 return out
         plan = self._plan(state, batch, rng, mask)
         self._agree(

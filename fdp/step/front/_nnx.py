@@ -474,12 +474,21 @@ class NNXDataParallelStep(Step):
         Returns:
           ``(state, metrics)``.
         """
+        alone = self._alone
+        if alone is not None and graphdef is self._fast.statics[0]:  # type: ignore[union-attr]
+            try:  # the last signature's program, needing nothing else: jit's cost
+                return alone(state, batch, None, mask)
+            except (TypeError, ValueError, RuntimeError) as e:
+                if not self._passed_on(e, _optimizer_step(state)):
+                    raise
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         args = (graphdef, state, batch, None, mask)
         self._check_alive(_optimizer_step(state), args)
         out = STALE
         if self._fast is not None:
             out = self._run_fast(graphdef, state, batch, None, mask)
+            if out is not STALE and alone is None:
+                self._program_alone()
         if out is STALE:
             objects = nnx.merge(graphdef, *state)
             plan, again, comm, rest = self._prepare_call(objects, batch, mask)

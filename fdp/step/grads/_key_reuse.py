@@ -27,6 +27,15 @@ class KeyReuse:
         self._first: Any = None
         self._done = False
 
+    @property
+    def settled(self) -> bool:
+        """Whether no later call needs :meth:`seen`: both keys compared, or none given yet.
+
+        A call without a key has another signature than one with a key, so it never
+        takes the program of one that had a key: it goes through :meth:`seen` again.
+        """
+        return self._done or self._first is None
+
     def seen(self, key: Any) -> None:
         """Records ``key`` (the first call's) or compares it with the first (the second's)."""
         if self._done or key is None:
