@@ -147,7 +147,17 @@ def _ahead(peer: Beat, beat: Beat) -> bool:
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>\S+)')
 _LIBRARY = re.compile(r"/lib/python3[^/]*/|[/\\](site|dist)-packages[/\\]|^<frozen ")
 _FDP = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fdp's own frames
-_STEP_CALL = os.path.join(_FDP, "step", "_runner.py")  # where a step's call runs
+# Where a step's call runs its compiled program: the runner, or a front end that calls
+# the program alone (tests/launch/test_launch.py checks that each file exists).
+STEP_CALLS = tuple(
+    os.path.join(_FDP, "step", *parts)
+    for parts in (
+        ("core", "_runner.py"),
+        ("front", "_linen.py"),
+        ("front", "_nnx.py"),
+        ("front", "_ddp.py"),
+    )
+)
 
 
 def callback_frame(stack: str) -> str | None:
@@ -180,7 +190,7 @@ def callback_frame(stack: str) -> str | None:
         if not frames or truncated:
             continue
         if frames[-1]["file"].endswith(("_bootstrap.py", "threading.py")):
-            calls = [i for i, f in enumerate(frames) if f["file"] == _STEP_CALL]
+            calls = [i for i, f in enumerate(frames) if f["file"] in STEP_CALLS]
             frames = frames[: calls[0]] if calls else []  # what the step's call runs
         own = [f for f in frames if not (_LIBRARY.search(f["file"]) or f["file"].startswith(_FDP))]
         if own:

@@ -594,3 +594,13 @@ def test_every_host_of_a_multi_node_run_gets_the_same_run_id():
     assert node0.run_id == node1.run_id != parse("--node-rank", "0", *common[:-2], "1", "t.py")
     assert parse("--run-id", "mine", *common).run_id == "mine"
     assert parse("t.py").run_id != parse("t.py").run_id  # one host: a fresh id per launch
+
+
+def test_the_files_a_step_call_runs_its_program_from_exist():
+    """The watchdog tells a host callback inside a step by these files on the stack; a
+    moved file would leave it blind (the callback tests then time out, not fail)."""
+    import os
+
+    from fdp.launch._watchdog import STEP_CALLS
+
+    assert STEP_CALLS and all(os.path.isfile(path) for path in STEP_CALLS), STEP_CALLS
