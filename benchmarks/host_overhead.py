@@ -240,7 +240,9 @@ def ddp_pair(mesh, stage, accum):
         grads = reduce(grads)
         return jax.tree.map(lambda w, g: w - LR * g, p, grads), loss
 
-    step = fdp.ddp(lambda p, b: sgd(p, b, fdp.reduce_gradients), mesh=mesh, batch_argnums=1)
+    step = fdp.ddp(
+        lambda p, b: sgd(p, b, fdp.reduce_gradients), mesh=mesh, batch_argnums=1, donate_argnums=0
+    )
     plain = jax.jit(lambda p, b: sgd(p, b, lambda g: g), donate_argnums=0)
     theirs = fdp.replicate(jax.device_get(params), mesh)
     return carried(lambda p: step(p, batch), params, lambda p: plain(p, batch), theirs)

@@ -41,8 +41,8 @@ class Fast(NamedTuple):
     plan: StepPlan
     compiled: Any  # jax.stages.Compiled: takes the dynamic arguments alone
     statics: tuple  # the static arguments it was compiled for
-    # Whether a call needs nothing but the program: no in-flight bound, no numerics guard,
-    # no observer, no heartbeat (not under fdp launch). Then the front end calls it alone.
+    # Whether a call needs nothing but the program (and, under fdp launch, the heartbeat):
+    # no in-flight bound, no numerics guard, no observer. Then the front end calls it alone.
     alone: bool
 
 
@@ -104,6 +104,7 @@ class StepRunner:
         # The last program itself, once a call with its signature needs nothing else
         # (:meth:`_program_alone`): the front end calls it directly, jit's own cost.
         self._alone: Any = None
+        self._beats = False  # under fdp launch: the heartbeat around the program alone
 
     @property
     def config(self) -> StepConfig:
@@ -246,9 +247,13 @@ class StepRunner:
         It refuses in C++ before anything runs: ``TypeError``/``ValueError`` for other
         shapes, trees or shardings (and, on jaxlib 0.10, a deleted array), a
         ``RuntimeError`` for a deleted array on 0.11+. The call then takes the path
-        with every check, which names the mistake. Any other error is the program's own.
+        with every check, which names the mistake. Any other error is the program's own:
+        one that failed while running (a peer gone from a collective) has consumed a
+        donated state too, so a deleted state alone does not tell a refusal.
         """
-        return not isinstance(error, RuntimeError) or _deleted(probe)
+        if not isinstance(error, RuntimeError):
+            return True
+        return "deleted" in str(error) and _deleted(probe)
 
     def _run_fast(self, *args: Any) -> Any:
         """A call like the last one: its compiled program, called as it is (O(1) Python).
@@ -316,7 +321,8 @@ class StepRunner:
     def _nothing_per_call(self, out: Any) -> bool:
         """Whether a call of this program needs nothing but the program (``Fast.alone``)."""
         guarded = isinstance(out, tuple) and isinstance(out[-1], dict) and finite.KEY in out[-1]
-        return self._queue is None and not guarded and not heartbeat.active()
+        self._beats = heartbeat.active()
+        return self._queue is None and not guarded
 
     def _program_alone(self) -> Any:
         """The last program, to call alone from now on, or None while a call needs more.

@@ -187,6 +187,7 @@ class DDPFunction:
         static_argnames: tuple[str, ...] = (),
         output_reduction: str | Callable[[str], str] = "mean",
         replicated_leaves: Callable[[int, str], bool] | None = None,
+        donate_argnums: tuple[int, ...] = (),
     ):
         self.fn = fn
         functools.update_wrapper(self, fn)
@@ -197,6 +198,7 @@ class DDPFunction:
         self._static_argnames = static_argnames
         self._output_reduction = output_reduction
         self._replicated_leaves = replicated_leaves
+        self._donate_argnums = donate_argnums
         self._leaf_flags: dict[Any, tuple] = {}  # _split_leaves, per argument structure
         self._call_shapes: dict[Any, _CallShape] = {}  # _call_shape, per argument types
         self._layouts: dict[Any, tuple[_Layout, Any]] = {}  # layout and program per signature
@@ -470,10 +472,15 @@ class DDPFunction:
         if self._fast is None or self._fast[0].call != call:
             return None
         layout, compiled = self._fast
+        keys, state, others = dynamic
         try:
-            return layout, compiled(*dynamic)
+            return layout, compiled(keys, state, *others)
         except (TypeError, ValueError):
             return None
+
+    def _run_spread(self, layout: _Layout, keys: Any, state: Any, *others: Any) -> tuple:
+        """:meth:`_run` with one jit argument per argument of the call (each can be donated)."""
+        return self._run(layout, keys, state, others)
 
     def _run_alone(self, layout: _Layout, *args: Any) -> Any:
         """:meth:`_run` for an ``alone`` layout: the arguments as given, the outputs' tree."""
@@ -483,13 +490,18 @@ class DDPFunction:
     def _compile(self, layout: _Layout, keys: Any, state: Any, others: tuple) -> Any:
         """The program for ``layout`` and these arguments' signature (jit's caches hold it)."""
         if self._jitted is None:
-            self._jitted = jax.jit(self._run, static_argnums=(0,))
-            self._jitted_alone = jax.jit(self._run_alone, static_argnums=(0,))
+            donate = self._donate_argnums
+            self._jitted = jax.jit(
+                self._run_spread, static_argnums=(0,), donate_argnums=tuple(3 + i for i in donate)
+            )
+            self._jitted_alone = jax.jit(
+                self._run_alone, static_argnums=(0,), donate_argnums=tuple(1 + i for i in donate)
+            )
         token = REDUCTION_TRACE.set(ReductionTrace())
         try:
             if layout.alone:
                 return self._jitted_alone.lower(layout, *others).compile()
-            return self._jitted.lower(layout, keys, state, others).compile()
+            return self._jitted.lower(layout, keys, state, *others).compile()
         finally:
             REDUCTION_TRACE.reset(token)
 
@@ -501,11 +513,47 @@ class DDPFunction:
             static = tuple(sorted(self._static_positions(self._arg_names, len(args), keywords)))
             kept = tuple(None if i in static else a for i, a in enumerate(args))
             nodes = tuple(i for i, a in enumerate(kept) if _is_node(a))
+            self._check_donated(len(args), static, nodes)
             shape = _CallShape(static, nodes, self._batch_flags(kept, nodes))
             if len(self._call_shapes) >= 64:
                 self._call_shapes.clear()
             self._call_shapes[key] = shape
         return shape
+
+    def _donated_gone(self, args: tuple) -> bool:
+        """Whether an argument at ``donate_argnums`` was donated before (its arrays deleted)."""
+        for i in self._donate_argnums:
+            leaves = jax.tree.leaves(args[i]) if i < len(args) else []
+            gone = getattr(leaves[0], "is_deleted", None) if leaves else None
+            if gone is not None and gone():
+                return True
+        return False
+
+    def _check_alive(self, args: tuple) -> None:
+        if self._donated_gone(args):
+            names = ", ".join(self._name(i) for i in self._donate_argnums)
+            raise RuntimeError(
+                f"fdp.ddp: an argument at donate_argnums ({names}) was donated to an earlier "
+                "call and its arrays are deleted; pass what that call returned."
+            )
+
+    def _check_donated(self, count: int, static: tuple[int, ...], nodes: tuple[int, ...]) -> None:
+        """Refuses ``donate_argnums`` naming a missing, static or NNX argument, naming it."""
+        for i in self._donate_argnums:
+            what = (
+                f"the step was called with {count} arguments"
+                if i >= count
+                else f"{self._name(i)} is static"
+                if i in static
+                else f"{self._name(i)} is an NNX object, updated in place (nothing to donate)"
+                if i in nodes
+                else None
+            )
+            if what is not None:
+                raise ValueError(
+                    f"fdp.ddp: donate_argnums={self._donate_argnums} names position {i}, but "
+                    f"{what}. Name arrays or pytrees of arrays passed positionally."
+                )
 
     def _check_statics(self, statics: tuple[tuple[int, Any], ...]) -> None:
         for i, value in statics:
@@ -523,9 +571,16 @@ class DDPFunction:
         if alone is not None and not kwargs:
             try:  # the last program, taking these arguments as they are: jit's cost
                 return alone(*args)
-            except (TypeError, ValueError):  # another signature: refused before it ran
-                pass
+            except (TypeError, ValueError, RuntimeError) as e:
+                # Another signature, refused before it ran; or a donated argument passed
+                # again (jaxlib 0.11+ raises RuntimeError), named below.
+                if isinstance(e, RuntimeError) and not (
+                    "deleted" in str(e) and self._donated_gone(args)
+                ):
+                    raise
         args, keywords = self._bind(args, kwargs)
+        if self._donate_argnums:  # jaxlib 0.10 can crash on a deleted array: refuse it first
+            self._check_alive(args)
         shape = self._call_shape(args, keywords)
         statics = tuple((i, args[i]) for i in shape.static)
         node_positions = shape.nodes
@@ -553,7 +608,7 @@ class DDPFunction:
                 self._fast, self._alone = None, compiled
                 return compiled(*others)
             self._alone = None
-            ran = layout, compiled(keys, state, others)
+            ran = layout, compiled(keys, state, *others)
             self._fast = (layout, compiled)
             sizes = [x.size for x in ran[1][0]]  # the output the in-flight bound holds
             self._smallest = sizes.index(min(sizes)) if sizes else 0
@@ -625,6 +680,7 @@ def ddp(
     static_argnames: str | Sequence[str] = (),
     output_reduction: str | Callable[[str], str] = "mean",
     replicated_leaves: Callable[[int, str], bool] | None = None,
+    donate_argnums: int | Sequence[int] = (),
 ) -> Any:
     """Makes your own step function data-parallel: use it where ``jax.jit`` / ``nnx.jit`` was.
 
@@ -667,6 +723,10 @@ def ddp(
         ``jax.tree_util.keystr`` inside the argument at ``position``), such as
         a decode cache's scalar ``cache_index`` beside its per-example keys
         and values.
+      donate_argnums: positions (non-negative) of arguments whose buffers the
+        call may reuse for its outputs, as ``jax.jit``'s: pass ``params`` and
+        use the returned ones (a donated argument's arrays are deleted). Not
+        static arguments, nor NNX objects (updated in place).
 
     Returns:
       The data-parallel function, called with the same arguments as ``fn``.
@@ -699,6 +759,7 @@ def ddp(
             static_argnames=static_argnames,
             output_reduction=output_reduction,
             replicated_leaves=replicated_leaves,
+            donate_argnums=donate_argnums,
         )
     if not callable(fn):
         raise TypeError(f"fdp.ddp: fn must be callable, got {type(fn).__name__}.")
@@ -719,4 +780,16 @@ def ddp(
         static_argnames=_check_argnames(static_argnames),
         output_reduction=output_reduction,
         replicated_leaves=replicated_leaves,
+        donate_argnums=_check_donate(donate_argnums),
     )
+
+
+def _check_donate(value: Any) -> tuple[int, ...]:
+    """``donate_argnums`` as a tuple of non-negative ints, or an error naming it."""
+    nums = _check_argnums(value, "donate_argnums")
+    if any(i < 0 for i in nums):
+        raise ValueError(
+            f"fdp.ddp: donate_argnums must be non-negative positions, got {value!r} (count "
+            "from the first argument)."
+        )
+    return nums

@@ -268,11 +268,18 @@ class DataParallelStep(Step):
         """Runs one step: ``(state, batch[, rng][, mask]) -> (state, metrics)``."""
         alone = self._alone
         if alone is not None:  # the last signature's program, needing nothing else: jit's cost
+            beats = self._beats  # under fdp launch (entering twice, below too, is harmless)
+            if beats:
+                heartbeat.step_entered()
             try:
-                return alone(state, batch, rng, mask)
+                out = alone(state, batch, rng, mask)
             except (TypeError, ValueError, RuntimeError) as e:
                 if not self._passed_on(e, getattr(state, "step", None)):
                     raise
+            else:
+                if beats:
+                    heartbeat.step_done()
+                return out
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         _check_state(state)
         self._key_reuse.seen(rng)

@@ -54,6 +54,17 @@ def _split_model(model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any,
     return graphdef, params, keys, rest
 
 
+def split_hook_state(objects: Any) -> tuple[Any, Any, Any]:
+    """``nnx.split(objects, HookState, ...)``, the hook's part ``{}`` where it holds nothing.
+
+    An empty ``nnx.State`` flattens in Python at every call of the program (a hook
+    without state, the common case); an empty dict flattens in jit's C++, and
+    ``nnx.merge``/``nnx.update`` take it as they take the empty state.
+    """
+    graphdef, comm, rest = nnx.split(objects, HookState, ...)
+    return graphdef, (comm if comm else {}), rest
+
+
 def _hook_variable(optimizer: nnx.Optimizer, holder: NNXCommState | None) -> HookState | None:
     """Where the hook's state is: the :class:`NNXCommState` given, else fdp 0.1's attribute."""
     if holder is not None:
@@ -150,7 +161,7 @@ class NNX:
     ) -> Parts:
         if hook_state is not None:
             cast(HookState, _hook_variable(owner[1], owner[2])).set_value(hook_state)
-        comm, state = nnx.split(owner, HookState, ...)[1:]
+        comm, state = split_hook_state(owner)[1:]
         return Parts(state, None, add_device_axis(comm) if local else comm)
 
 
@@ -384,7 +395,7 @@ class NNXDataParallelStep(Step):
             )
         objects = (model, optimizer, comm_state)
         if self._fast is not None and self._ready(objects):  # jit's dispatch and NNX's split
-            graphdef, comm, state = nnx.split(objects, HookState, ...)
+            graphdef, comm, state = split_hook_state(objects)
             self._check_alive(optimizer.step.get_raw_value(), (graphdef, state, batch, None, mask))
             out = self._run_fast(graphdef, (comm, state), batch, None, mask)
             if out is not STALE:
@@ -423,7 +434,9 @@ class NNXDataParallelStep(Step):
 
         Returns:
           ``(graphdef, state)``: the objects' graph (static) and their arrays,
-          ``state = (hook_state, rest)``.
+          ``state = (hook_state, rest)``; ``hook_state`` is ``{}`` for a hook that
+          keeps no state (``nnx.update`` and ``nnx.merge`` take it as they take
+          an empty ``nnx.State``, and it costs nothing to pass).
 
         Example:
           >>> import jax.numpy as jnp, optax
@@ -452,7 +465,7 @@ class NNXDataParallelStep(Step):
             _check_comm_state(optimizer, comm_state)
             buckets = self._check_and_place(model, optimizer, None)
             self._fill(model, optimizer, buckets, comm_state)
-        graphdef, comm, rest = nnx.split((model, optimizer, comm_state), HookState, ...)
+        graphdef, comm, rest = split_hook_state((model, optimizer, comm_state))
         return graphdef, (comm, rest)
 
     def apply(
@@ -476,11 +489,18 @@ class NNXDataParallelStep(Step):
         """
         alone = self._alone
         if alone is not None and graphdef is self._fast.statics[0]:  # type: ignore[union-attr]
+            beats = self._beats  # under fdp launch (entering twice, below too, is harmless)
+            if beats:
+                heartbeat.step_entered()
             try:  # the last signature's program, needing nothing else: jit's cost
-                return alone(state, batch, None, mask)
+                out = alone(state, batch, None, mask)
             except (TypeError, ValueError, RuntimeError) as e:
                 if not self._passed_on(e, _optimizer_step(state)):
                     raise
+            else:
+                if beats:
+                    heartbeat.step_done()
+                return out
         heartbeat.step_entered()  # for fdp launch's hang detection (a no-op outside it)
         args = (graphdef, state, batch, None, mask)
         self._check_alive(_optimizer_step(state), args)
@@ -554,7 +574,7 @@ class NNXDataParallelStep(Step):
                     self._place(model, optimizer)
                     self._placed = True
                 self._fill(model, optimizer, first.buckets, holder)
-        graphdef, comm, state = nnx.split(objects, HookState, ...)
+        graphdef, comm, state = split_hook_state(objects)
         plan = self._plan_for(
             (graphdef, state, batch, None, mask), lambda: self._plan(model, optimizer, batch, mask)
         )
