@@ -313,6 +313,7 @@ class StepRunner:
             fast = Fast(plan, compiled, args[:n], self._nothing_per_call(out))
         self._fast = fast
         self._alone = None  # until the front end's next call asks (_program_alone)
+        self._beats = heartbeat.active()  # once the writer is set up: fdp launch's or none
         if len(self._programs) >= 64:  # new shapes every call: keep memory bounded
             self._programs.clear()
         self._programs[key] = fast
@@ -321,7 +322,6 @@ class StepRunner:
     def _nothing_per_call(self, out: Any) -> bool:
         """Whether a call of this program needs nothing but the program (``Fast.alone``)."""
         guarded = isinstance(out, tuple) and isinstance(out[-1], dict) and finite.KEY in out[-1]
-        self._beats = heartbeat.active()
         return self._queue is None and not guarded
 
     def _program_alone(self) -> Any:
