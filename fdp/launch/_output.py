@@ -28,14 +28,19 @@ _CLEAR = "\r\x1b[K"  # back to the start of the terminal line, erase it
 
 # Lines that say nothing to the user: printed by gloo for every communicator it
 # sets up (16-32 per run), and by JAX when the agent stops a worker with SIGTERM.
-# gloo writes to stdout from C++, so its line may land after a progress bar's
-# unfinished one, or be cut in two by a progress bar's "\r" written between its
-# halves: the patterns are searched anywhere in a record, and each half is known
-# on its own.
+# gloo writes to stdout from C++, apart from Python's own buffer: its line may land
+# after a progress bar's unfinished one, be cut in two by a progress bar's "\r"
+# written between its halves, or have a line of the worker's written between its
+# text and its newline. The patterns are searched anywhere in a record; each half is
+# known on its own; a whole message ends where gloo's text ends (what follows it is
+# the worker's), a half or another form at the end of the record.
 TRANSPORT_NOISE = (
-    re.compile(r"\[Gloo\] Rank \d+ is connected to\b"),
-    re.compile(r"\b\d+ peer ranks\. Expected number of connected peer ranks is\b"),
-    re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ preemption_notifier\.cc:\d+\] SIGTERM caught"),
+    re.compile(
+        r"\[Gloo\] Rank \d+ is connected to"
+        r"(?: \d+ peer ranks\. Expected number of connected peer ranks is : \d+|\b.*)"
+    ),
+    re.compile(r"\b\d+ peer ranks\. Expected number of connected peer ranks is(?: : \d+|\b.*)"),
+    re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ preemption_notifier\.cc:\d+\] SIGTERM caught.*"),
 )
 
 
@@ -49,29 +54,35 @@ def quiet_transport(environ: Mapping[str, str]) -> bool:
     return environ.get("FDP_DEBUG", "").strip().upper() not in ("INFO", "DETAIL")
 
 
-def split_noise(line: str) -> tuple[str, str]:
-    """``line`` cut where transport chatter (:data:`TRANSPORT_NOISE`) starts: (before, chatter).
+def split_noise(line: str) -> tuple[str, str, str]:
+    """``line`` cut around the first transport chatter (:data:`TRANSPORT_NOISE`).
 
-    What comes before the chatter is an unfinished line of the worker's own (a
-    progress bar that had not ended its line when gloo wrote).
+    Returns (before, chatter, after). What comes before the chatter is an
+    unfinished line of the worker's own (a progress bar that had not ended its
+    line when gloo wrote); what comes after a whole gloo message is the worker's
+    line written between gloo's text and gloo's newline.
 
     Example:
       >>> split_noise("[Gloo] Rank 1 is connected to 7 peer ranks. Expected ...")
-      ('', '[Gloo] Rank 1 is connected to 7 peer ranks. Expected ...')
+      ('', '[Gloo] Rank 1 is connected to 7 peer ranks. Expected ...', '')
       >>> split_noise("train: 0%|  | 0/2[Gloo] Rank 0 is connected to 1 peer ranks.")
-      ('train: 0%|  | 0/2', '[Gloo] Rank 0 is connected to 1 peer ranks.')
+      ('train: 0%|  | 0/2', '[Gloo] Rank 0 is connected to 1 peer ranks.', '')
       >>> split_noise("[Gloo] Rank 0 is connected to ")  # cut in two by a progress bar
-      ('', '[Gloo] Rank 0 is connected to ')
+      ('', '[Gloo] Rank 0 is connected to ', '')
       >>> split_noise("step 3 1 peer ranks. Expected number of connected peer ranks is : 1")
-      ('step 3 ', '1 peer ranks. Expected number of connected peer ranks is : 1')
+      ('step 3 ', '1 peer ranks. Expected number of connected peer ranks is : 1', '')
+      >>> gloo = "[Gloo] Rank 0 is connected to 1 peer ranks. "
+      >>> gloo += "Expected number of connected peer ranks is : 1"
+      >>> split_noise(gloo + "loss 0.25") == ("", gloo, "loss 0.25")
+      True
       >>> split_noise("loss 0.25")
-      ('loss 0.25', '')
+      ('loss 0.25', '', '')
     """
     for pattern in TRANSPORT_NOISE:
         m = pattern.search(line)
         if m:
-            return line[: m.start()], line[m.start() :]
-    return line, ""
+            return line[: m.start()], m.group(), line[m.end() :]
+    return line, "", ""
 
 
 class Splitter:
@@ -231,7 +242,7 @@ class Output:
 
     def _copy(self, pipe: IO[bytes], sink: IO[str]) -> None:
         prefix = f"[rank {self.rank}] "
-        splitter = Splitter()
+        splitter, owed = Splitter(), False
         with pipe:
             fd = pipe.fileno()
             while True:
@@ -242,7 +253,8 @@ class Output:
                             self._file.write(data)
                             self._file.flush()
                 records = splitter.feed(data) if data else splitter.flush()
-                for text, is_line in self._unmix(records):
+                records, owed = self._unmix(records, owed)
+                for text, is_line in records:
                     if not is_line:
                         if self._console and self._progress and text:
                             CONSOLE.progress(sink, self.rank, prefix + text)
@@ -253,21 +265,34 @@ class Output:
                 if not data:
                     return
 
-    def _unmix(self, records: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    def _unmix(
+        self, records: list[tuple[str, bool]], owed: bool
+    ) -> tuple[list[tuple[str, bool]], bool]:
         """Transport chatter on a line of its own, or left out when quiet.
 
         What came before the chatter on its line is still unfinished: progress.
+        What came after a whole message is the worker's own; the message's newline
+        then comes later (``owed``), as an empty line, which is left out.
         """
         out = []
-        for text, is_line in records:
-            before, noise = split_noise(text)
-            if not noise:
-                out.append((text, is_line))
+        for record in records:
+            text, is_line = record
+            if is_line and owed and not text:
+                owed = False
                 continue
-            out.append((before, False))
-            if not self._quiet:
-                out.append((noise, True))
-        return [(text, is_line) for text, is_line in out if text or is_line]
+            owed = owed and not is_line
+            while True:
+                before, noise, after = split_noise(text)
+                if not noise:
+                    out.append((text, is_line))
+                    break
+                out.append((before, False))
+                if not self._quiet:
+                    out.append((noise, True))
+                if not after:
+                    break
+                text, owed = after, True
+        return [(text, is_line) for text, is_line in out if text or is_line], owed
 
     def close(self, timeout: float = 5.0) -> None:
         """Waits for the copies to drain (the worker has ended) and closes the log file."""

@@ -32,6 +32,9 @@ def test_lines_are_whole_prefixed_transport_logs_left_out_and_a_table_at_the_end
         # On a pipe, a progress bar shows only its final state, gloo's line cut out of it.
         assert f"[rank {rank}] bar 3/3 of rank {rank}\n" in out.stdout
         assert f"bar 2/3 of rank {rank}" not in out.stdout
+        # Written between gloo's text and its newline: kept, and gloo's newline left out.
+        assert f"[rank {rank}] glued to gloo's line by rank {rank}\n" in out.stdout
+        assert f"[rank {rank}] \n" not in out.stdout
     assert "Gloo" not in out.output and "peer ranks" not in out.output  # nor half of it
     assert all(line.startswith("[rank ") for line in out.stdout.splitlines())
     # Every run ends with a table of the workers.
@@ -50,6 +53,9 @@ def test_fdp_debug_shows_transport_logs_on_lines_of_their_own(marker):
     assert "[rank 1] [Gloo] Rank 3 is connected to \n" in out.stdout
     assert "[rank 1] 3 peer ranks. Expected number of connected peer ranks is : 3\n" in out.stdout
     assert "[rank 1] bar 3/3 of rank 1\n" in out.stdout
+    whole = "[Gloo] Rank 7 is connected to 1 peer ranks. "
+    whole += "Expected number of connected peer ranks is : 1"
+    assert f"[rank 1] {whole}\n[rank 1] glued to gloo's line by rank 1\n" in out.stdout
 
 
 def test_log_files_count_attempts_from_1_and_tee_shows_the_console_too(tmp_path, marker):

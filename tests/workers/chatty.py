@@ -5,7 +5,9 @@
 Every rank prints gloo's connection line, a progress bar redrawn with carriage
 returns (as tqdm does) with gloo's line landing inside it (once whole, once cut in
 two by the bar), a line written in pieces with pauses between them, and a line to
-stderr; rank 0 waits for rank 1's pieces, so that their writes overlap in time.
+stderr; gloo's whole line with a line of the worker's written between its text and
+its newline (as gloo's C++ writes race Python's, seen under fdp launch); rank 0
+waits for rank 1's pieces, so that their writes overlap in time.
 """
 
 import os
@@ -35,4 +37,9 @@ write("\n")
 for piece in ("pieces", " of", f" rank {rank}\n"):
     write(piece)
     time.sleep(0.1)
+# gloo's text, then the worker's own line, then gloo's newline.
+write(f"[Gloo] Rank {rank + 6} is connected to 1 peer ranks. ")
+write("Expected number of connected peer ranks is : 1")
+write(f"glued to gloo's line by rank {rank}\n")
+write("\n")
 print(f"err from rank {rank}", file=sys.stderr, flush=True)
