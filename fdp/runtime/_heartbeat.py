@@ -1,25 +1,27 @@
 """Where a worker is, for the ``fdp launch`` agent that watches it for hangs.
 
-The agent names a file in ``FDP_HEARTBEAT_FILE``; a worker overwrites it (128
-bytes, mapped into memory: a copy, no system call) when it finishes a step, starts or
-stops waiting for its peers outside the compiled program (a store key, a host
-collective), enters or leaves :func:`busy` (an evaluation, a checkpoint), compiles,
-and when its script has returned. Entering a step only updates the record in memory (a
-tuple assignment); a daemon thread writes that out within :data:`FLUSH_SECONDS`, where
-a worker that stays inside the step (waiting for its peers) is seen by the agent,
-which judges over tens of seconds. A step costs one memory copy of the record, where it
-cost two ``pwrite`` calls.
+The agent names a file in ``FDP_HEARTBEAT_FILE``; a worker maps it into memory
+(128 bytes, once per process) and keeps its record there: no system call per
+write. A step writes three counters in place (one ``struct.pack_into``: the
+steps entered, the steps finished, the writes so far) when it starts and when it
+finishes, so an agent reading at any moment sees where it is, and a worker
+stopped right after a step is named with that step. The rest of the record is
+written whole when it changes: the worker starts or stops waiting for its peers
+outside the compiled program (a store key, a host collective), enters or leaves
+:func:`busy` (an evaluation, a checkpoint), compiles, or its script has returned.
 
 The agent reads the files to tell the worker that holds the others up (one that did
 not enter the step its peers wait in) from the peers that wait for it, to leave
 compiling and the exit after the last step alone, and to report where every worker
 was (:mod:`fdp.launch._watchdog`). Outside the launcher (no variable) nothing is written.
 
-The record is one line: ``ENTERED FINISHED FLAGS WRITES [WAITING FOR...]``, where
+The record: ``FDPH``, 4 bytes of padding, ``ENTERED FINISHED WRITES`` as three
+native 8-byte integers, then one line of text, ``FLAGS [WAITING FOR...]``, where
 ``FLAGS`` is ``-`` (none) or letters: ``c`` (tracing and compiling: a step's first
 call for its shapes, or ``lower``) or ``x`` (the script returned: the process is
 exiting), and ``b`` (inside :func:`busy`); ``WRITES`` counts the changes of the
-record, so that any activity shows.
+record, so that any activity shows. :func:`parse` also reads the text records of
+fdp before it (``ENTERED FINISHED FLAGS WRITES [WAITING...]``).
 """
 
 from __future__ import annotations
@@ -28,19 +30,21 @@ import contextlib
 import dataclasses
 import mmap
 import os
+import struct
 import threading
-import time
 from collections.abc import Iterator
 
 HEARTBEAT_VAR = "FDP_HEARTBEAT_FILE"
-FLUSH_SECONDS = 0.05  # how soon the writer thread writes a step's record out
 _SIZE = 128
+_MAGIC = b"FDPH"
+_COUNTS = struct.Struct("=qqq")  # entered, finished, writes: native order, 8 bytes each
+_AT = 8  # where the counters start (after the magic and 4 bytes of padding)
+_TEXT = _AT + _COUNTS.size  # where the line of text starts
 _busy_lock = threading.Lock()
-_write_lock = threading.Lock()  # the writer thread and the main thread's own writes
+_write_lock = threading.Lock()  # whole-record writes, from any thread
 
 # The record as the process knows it. ``steps`` is one tuple ``(entered, finished)``,
-# assigned at once, so that the writer thread never reads half of a change; ``changes``
-# counts every change (the record's WRITES field).
+# assigned at once; ``changes`` counts every change (the record's WRITES field).
 _state: dict = {
     "steps": (0, 0),
     "flag": "-",
@@ -48,8 +52,6 @@ _state: dict = {
     "changes": 0,
     "busy": 0,  # busy() sections open, on any thread
     "map": None,  # the file, mapped; False: not watched (no variable, or it failed)
-    "written": -1,  # ``changes`` when the record was last written out
-    "writer": None,  # the writer thread, started at the first change
 }
 
 
@@ -82,8 +84,8 @@ class Beat:
 
 
 def _forget() -> None:
-    """In a forked child: the parent's mapping and writer thread are not this process's."""
-    _state.update(map=None, written=-1, writer=None)
+    """In a forked child: the parent's mapping is not this process's."""
+    _state.update(map=None)
 
 
 os.register_at_fork(after_in_child=_forget)
@@ -107,6 +109,8 @@ def _mapped() -> mmap.mmap | None:
             except (OSError, ValueError):
                 m = False
         _state["map"] = m
+        if m:
+            _write()  # the whole record, before the first step writes its counters
     return m or None
 
 
@@ -121,54 +125,49 @@ def active() -> bool:
 
 
 def _write() -> None:
-    """Writes the record out now (a change the agent must see at once)."""
-    _state["changes"] += 1  # any change shows, even one undone before the agent reads
-    _flush()
-
-
-def _flush() -> None:
-    m = _mapped()
-    if m is None:
+    """Writes the whole record now (a change the agent must see at once)."""
+    m = _state["map"]
+    if not m:  # not mapped yet (mapping writes it), or not watched
+        _mapped()
         return
     with _write_lock:
         s = _state
-        changes = s["changes"]
-        if changes == s["written"]:
-            return
+        s["changes"] += 1  # any change shows, even one undone before the agent reads
         entered, finished = s["steps"]
         flags = s["flag"].strip("-") + ("b" if s["busy"] else "") or "-"
-        line = f"{entered} {finished} {flags} {changes} {s['waiting']}"
+        text = f"{flags} {s['waiting']}".encode("ascii", "replace")[: _SIZE - _TEXT - 1]
         try:
-            m[:] = line.encode("ascii", "replace")[: _SIZE - 1].ljust(_SIZE - 1) + b"\n"
-        except (OSError, ValueError):
+            m[:_AT] = _MAGIC.ljust(_AT, b"\0")
+            _COUNTS.pack_into(m, _AT, entered, finished, s["changes"])
+            m[_TEXT:] = text.ljust(_SIZE - _TEXT - 1) + b"\n"
+        except (OSError, ValueError, TypeError):
             s["map"] = False  # closed under us: stop trying
+
+
+def _count(entered: int, finished: int) -> None:
+    """A step's counters, written in place (one copy; the text stays as it is)."""
+    s = _state
+    s["steps"] = (entered, finished)
+    if s["flag"] != "-":  # the first step after compiling: the whole record
+        s["flag"] = "-"
+        _write()
+        return
+    m = s["map"]
+    if not m:
+        if m is False or _mapped() is None:
             return
-        s["written"] = changes
-
-
-def _writer() -> None:
-    while True:
-        time.sleep(FLUSH_SECONDS)
-        if _state["changes"] != _state["written"]:
-            _flush()
-
-
-def _changed() -> None:
-    """A step's record changed: the writer thread writes it out (started once per process)."""
-    _state["changes"] += 1
-    if _state["writer"] is None and _state["map"] is not False and _mapped() is not None:
-        thread = threading.Thread(target=_writer, name="fdp-heartbeat", daemon=True)
-        _state["writer"] = thread
-        thread.start()
+        m = s["map"]
+    s["changes"] += 1
+    try:
+        _COUNTS.pack_into(m, _AT, entered, finished, s["changes"])
+    except (ValueError, TypeError):
+        s["map"] = False  # closed under us: stop trying
 
 
 def step_entered() -> None:
     """Records that this process entered one more step (called at the start of the call)."""
-    s = _state
-    s["steps"] = (s["steps"][1] + 1, s["steps"][1])
-    if s["flag"] != "-":
-        s["flag"] = "-"
-    _changed()
+    finished = _state["steps"][1]
+    _count(finished + 1, finished)
 
 
 @contextlib.contextmanager
@@ -192,12 +191,8 @@ def compiling() -> Iterator[None]:
 
 def step_done() -> None:
     """Records that this process completed (dispatched) one more step."""
-    s = _state
-    entered, finished = s["steps"]
-    s["steps"] = (max(entered, finished + 1), finished + 1)
-    if s["flag"] != "-":
-        s["flag"] = "-"
-    _write()  # at once: a worker stopped right after a step is named with that step
+    entered, finished = _state["steps"]
+    _count(max(entered, finished + 1), finished + 1)
 
 
 def steps_done() -> int:
@@ -268,15 +263,28 @@ def exiting() -> None:
 def parse(text: bytes) -> Beat | None:
     r"""The record in a heartbeat file's bytes, or ``None`` if there is none (yet).
 
-    A bare number (an older record) counts as that many finished steps.
+    Reads the record :func:`step_done` and the others write, and the text records
+    of fdp before it (``ENTERED FINISHED FLAGS WRITES [WAITING...]``; a bare
+    number counts as that many finished steps).
 
     Example:
-      >>> parse(b"4 3 - 12 store key 'host/1'\n")  # doctest: +NORMALIZE_WHITESPACE
-      Beat(entered=4, finished=3, compiling=False, exiting=False,
-           waiting="store key 'host/1'", writes=12, busy=False)
+      >>> record = b"FDPH\0\0\0\0" + _COUNTS.pack(4, 3, 12) + b"cb store key 'host/1'\n"
+      >>> parse(record)  # doctest: +NORMALIZE_WHITESPACE
+      Beat(entered=4, finished=3, compiling=True, exiting=False,
+           waiting="store key 'host/1'", writes=12, busy=True)
+      >>> parse(b"4 3 - 12 store key 'host/1'\n").waiting  # fdp's text records
+      "store key 'host/1'"
       >>> parse(b"7\n").finished, parse(b"5 5 cb 9").busy, parse(b"") is None
       (7, True, True)
     """
+    if text.startswith(_MAGIC):
+        if len(text) < _TEXT:
+            return None
+        entered, finished, writes = _COUNTS.unpack_from(text, _AT)
+        line = text[_TEXT:].decode("ascii", "replace").strip().split(maxsplit=1)
+        flags = line[0] if line else "-"
+        waiting = line[1] if len(line) > 1 else ""
+        return Beat(entered, finished, "c" in flags, "x" in flags, waiting, writes, "b" in flags)
     fields = text.decode("ascii", "replace").strip().split(maxsplit=4)
     if len(fields) == 1 and fields[0].isdigit():
         return Beat(int(fields[0]), int(fields[0]))

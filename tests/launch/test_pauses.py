@@ -97,7 +97,7 @@ def test_busy_is_in_the_heartbeat_while_any_section_is_open(tmp_path, monkeypatc
 
     path = tmp_path / "rank_0.heartbeat"
     monkeypatch.setenv(_heartbeat.HEARTBEAT_VAR, str(path))
-    for key in ("map", "written", "busy", "flag"):
+    for key in ("map", "busy", "flag"):
         monkeypatch.setitem(_heartbeat._state, key, _heartbeat._state[key])
     _heartbeat._state["map"] = None  # maps the file named above
     try:

@@ -1,8 +1,8 @@
-"""The heartbeat a worker writes for ``fdp launch``: a step costs a memory copy, no system call."""
+"""The heartbeat a worker writes for ``fdp launch``: a step writes counters, no system call."""
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 
@@ -16,23 +16,13 @@ def watched(tmp_path, monkeypatch):
     monkeypatch.setenv(_heartbeat.HEARTBEAT_VAR, str(path))
     for key in list(_heartbeat._state):
         monkeypatch.setitem(_heartbeat._state, key, _heartbeat._state[key])
-    _heartbeat._state.update(map=None, written=-1, writer=None, steps=(0, 0), changes=0)
+    _heartbeat._state.update(map=None, steps=(0, 0), changes=0, flag="-", waiting="", busy=0)
     yield path
     mapped = _heartbeat._state["map"]
-    _heartbeat._state["map"] = False  # the writer thread stops writing before it is closed
+    _heartbeat._state["map"] = False  # nothing writes to it once it is closed
     if mapped:
         with _heartbeat._write_lock:
             mapped.close()
-
-
-def _wait_for(path, finished, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        beat = _heartbeat.read(str(path))
-        if beat is not None and beat.finished == finished:
-            return beat
-        time.sleep(0.01)
-    raise AssertionError(f"the record never showed {finished} steps: {path.read_bytes()!r}")
 
 
 def test_a_finished_step_is_in_the_record_at_once_without_a_system_call(watched, monkeypatch):
@@ -53,16 +43,25 @@ def test_a_finished_step_is_in_the_record_at_once_without_a_system_call(watched,
     assert (beat.entered, beat.finished, beat.inside) == (1001, 1001, False)
 
 
-def test_a_step_left_inside_shows_as_inside(watched):
+def test_a_step_left_inside_shows_as_inside_at_once(watched):
     _heartbeat.step_entered()
     _heartbeat.step_done()
     _heartbeat.step_entered()  # and stays there (e.g. waits on its peers' collective)
-    deadline = time.monotonic() + 10.0
-    while not (_heartbeat.read(str(watched)) or _heartbeat.Beat(0, 0)).inside:
-        assert time.monotonic() < deadline, watched.read_bytes()
-        time.sleep(0.01)
-    beat = _heartbeat.read(str(watched))
-    assert (beat.entered, beat.finished) == (2, 1)
+    beat = _heartbeat.read(str(watched))  # no wait: no thread writes it later
+    assert (beat.entered, beat.finished, beat.inside) == (2, 1, True)
+
+
+def test_steps_write_their_counters_and_leave_the_rest_of_the_record(watched):
+    with _heartbeat.busy(), _heartbeat.waiting("store key 'host/1'"):
+        writes = _heartbeat.read(str(watched)).writes
+        _heartbeat.step_entered()
+        _heartbeat.step_done()
+        beat = _heartbeat.read(str(watched))
+        assert (beat.finished, beat.busy, beat.waiting) == (1, True, "store key 'host/1'")
+        assert beat.writes == writes + 2  # every change shows
+    with _heartbeat.compiling():
+        _heartbeat.step_entered()  # the first step after compiling clears the flag
+        assert not _heartbeat.read(str(watched)).compiling
 
 
 def test_waits_and_flags_are_written_at_once(watched):
@@ -88,7 +87,11 @@ def test_nothing_is_written_outside_the_launcher(tmp_path, monkeypatch):
     monkeypatch.delenv(_heartbeat.HEARTBEAT_VAR, raising=False)
     for key in list(_heartbeat._state):
         monkeypatch.setitem(_heartbeat._state, key, _heartbeat._state[key])
-    _heartbeat._state.update(map=None, writer=None)
+    _heartbeat._state.update(map=None)
     _heartbeat.step_entered()
     _heartbeat.step_done()
-    assert _heartbeat._state["map"] is False and _heartbeat._state["writer"] is None
+    with _heartbeat.busy():
+        pass
+    assert _heartbeat._state["map"] is False
+    assert not list(tmp_path.iterdir())
+    assert not any(t.name == "fdp-heartbeat" for t in threading.enumerate())
