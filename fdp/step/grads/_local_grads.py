@@ -248,6 +248,7 @@ def local_gradients(
     rng: jax.Array | None = None,
     track: Sequence[int] = (),
     gather_aux: Any = True,
+    hold_last: bool = True,
     last_after_loop: bool = False,
     finish: Callable[[list[Any]], list[Any]] | None = None,
 ) -> LocalGrads:
@@ -274,6 +275,12 @@ def local_gradients(
       track: indices of parameter leaves whose run-time use is recorded.
       gather_aux: which aux leaves hold one row per example (see
         :func:`per_example_leaves`).
+      hold_last: with ``accumulate_steps > 1``, run the last micro-batch after
+        the loop over the others, so that the reductions that follow depend on
+        its backward pass alone and may overlap it (on an accelerator). Off,
+        all K run in one loop: no copy of the first K-1 and no second copy of
+        the body, for a compiler that would not overlap them (XLA:CPU). The
+        same additions in the same order either way.
       last_after_loop: with ``accumulate_steps > 1``, hold the last
         micro-batch back until the loop is done (an optimization barrier ties
         its inputs to the loop's result). Otherwise the compiler may run its
@@ -292,13 +299,13 @@ def local_gradients(
       A :class:`LocalGrads`.
 
     Raises:
-      ValueError: ``finish`` with ``accumulate_steps=1``.
+      ValueError: ``finish`` with ``accumulate_steps=1`` or without ``hold_last``.
     """
     k = accumulate_steps
-    if finish is not None and k == 1:
+    if finish is not None and (k == 1 or not hold_last):
         raise ValueError(
-            "local_gradients(finish=...) reduces with the last of several micro-batches; "
-            "got accumulate_steps=1."
+            "local_gradients(finish=...) reduces with the last of several micro-batches, "
+            f"held after the loop; got accumulate_steps={k}, hold_last={hold_last}."
         )
     leaves, treedef = jax.tree.flatten(params)
     dtypes = [jnp.result_type(x) for x in leaves]
@@ -354,6 +361,8 @@ def local_gradients(
     if k == 1:
         state, aux = micro(state0, last)
         aux = jax.tree.map(lambda x: x[None], aux)
+    elif not hold_last:
+        state, aux = jax.lax.scan(micro, state0, xs)
     else:
         # The last micro-batch runs after the loop, not in it: the bucket reductions
         # that follow then depend on its backward pass alone, and the compiler can

@@ -584,6 +584,11 @@ class StepConfig:
         return _on_gpu(self._need_bound("on_gpu"))
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether the bound mesh's devices are CPUs (XLA:CPU overlaps no collective)."""
+        return self._need_bound("on_cpu").devices.flat[0].platform == "cpu"
+
+    @property
     def groups_buckets(self) -> bool:
         """Whether each bucket is one all-reduce of its gradients where they lie (GPU).
 
