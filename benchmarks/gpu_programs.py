@@ -8,7 +8,10 @@ from shapes alone, and read from the compiled, scheduled module:
 - the two-stream overlap estimate of fdp.observe._schedule (matrix products at the
   target's peak, ring bytes over one NVLink direction): communication alone, the part
   the compute stream waits for (exposed), and the share hidden;
-- temp and peak memory per device (peak = arguments + outputs - aliased + temp).
+- temp and peak memory per device (peak = arguments + outputs - aliased + temp);
+- the kernels one step launches (fusions, library calls, copies, collectives; a
+  loop's body once per trip): what a step costs beyond its FLOPs where the GPU is
+  not kept busy (``--devices 1``: nothing is communicated).
 
 Nothing here is a timing: it is the structure and memory of the program XLA:GPU
 would run. Ratios are fdp over plain jit in the same run. With accumulation, plain
@@ -24,6 +27,7 @@ On a JAX without those types its row is ``None``.
 
 import argparse
 import json
+import re
 import time
 
 import flax.linen as nn
@@ -36,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 import fdp
 from fdp.observe._gpu import gpu_mesh
 from fdp.observe._hlo import collective_stats, loop_collectives
-from fdp.observe._schedule import read_schedule
+from fdp.observe._schedule import _computations, _trip_count, read_schedule
 
 MiB = 1024 * 1024
 
@@ -241,6 +245,29 @@ def reduced_pattern(loss_fn, state, batch, mesh, accumulate):
         return jax.jit(step, donate_argnums=0).lower(state, batch).compile()
 
 
+_KERNEL = re.compile(
+    r"= \S+ (fusion|custom-call|copy|dot|convolution|all-reduce-start|"
+    r"all-gather-start|reduce-scatter|all-reduce|all-gather)\("
+)
+
+
+def launches(compiled):
+    """Kernels one step launches: fusions, library calls, copies and collectives, each
+    loop's body counted once per trip (a host-bound step's cost grows with them)."""
+    comps, entry = _computations(compiled.as_text())
+
+    def count(name):
+        n = 0
+        for line in comps.get(name, []):
+            n += bool(_KERNEL.search(line))
+            body = re.search(r" while\(.*body=%([\w.-]+)", line)
+            if body:
+                n += _trip_count(line) * count(body[1])
+        return n
+
+    return count(entry)
+
+
 def describe(compiled, target, plan=None):
     stats = collective_stats(compiled)
     schedule = read_schedule(compiled, target)
@@ -260,6 +287,7 @@ def describe(compiled, target, plan=None):
         "hidden": schedule.hidden_fraction,
         "temp_mib": memory.temp_size_in_bytes / MiB,
         "peak_mib": peak / MiB,
+        "launches": launches(compiled),
     }
     if plan is not None:
         row["plan_buckets"] = len(plan.buckets)
@@ -297,7 +325,7 @@ def run(args):
                     "jit": base,
                     "compile_s": {"jit": t1 - t0, "fdp": t2 - t1},
                 }
-                if accumulate > 1:
+                if accumulate > 1 and args.devices > 1:  # on one device nothing is reduced
                     reduced = reduced_pattern(loss_fn, state, batch, mesh, accumulate)
                     row["reduced"] = None if reduced is None else describe(reduced, target)
                     if reduced is not None:
@@ -320,7 +348,8 @@ def print_row(r):
         f"| loops with collectives jit {j['collectives_in_loops']} fdp {f['collectives_in_loops']} "
         f"| temp MiB fdp {f['temp_mib']:8.1f} jit {j['temp_mib']:8.1f} "
         f"({f['temp_mib'] / max(j['temp_mib'], 1e-9):.3f}x) "
-        f"| peak MiB {f['peak_mib']:8.1f} / {j['peak_mib']:8.1f}",
+        f"| peak MiB {f['peak_mib']:8.1f} / {j['peak_mib']:8.1f} "
+        f"| kernels fdp {f['launches']} jit {j['launches']}",
         flush=True,
     )
     if "reduced" not in r:

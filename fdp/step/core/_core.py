@@ -258,7 +258,7 @@ def reduce_step(
         rng=per_device(rng, axis),
         track=plan.usage.conditional if tracked else (),
         gather_aux=config.gather_aux,
-        hold_last=plan.last_in_loop or not config.on_cpu,  # XLA:CPU overlaps nothing
+        hold_last=plan.last_in_loop or config.holds_last_micro_batch,
         last_after_loop=config.on_gpu,
         finish=finish if plan.last_in_loop else None,
     )

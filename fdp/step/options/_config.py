@@ -434,7 +434,8 @@ class StepConfig:
     def reduces_with_last_micro_batch(self) -> bool:
         """Whether the last micro-batch and the bucket reductions may share a one-trip loop (GPU).
 
-        With accumulation on GPUs, grouped buckets (:attr:`groups_buckets`: the
+        With the last micro-batch held (:attr:`holds_last_micro_batch`: accumulation
+        on GPUs, more than one data device), grouped buckets (:attr:`groups_buckets`: the
         mean all-reduce hook, which keeps no state) and stage 0: inside that loop
         the accumulator is the loop's parameter, so XLA:GPU adds each
         weight-gradient product of the last micro-batch into it in place and
@@ -445,7 +446,7 @@ class StepConfig:
         per-device to replicated, so that step runs without replication typing.
         """
         return (
-            self.accumulate_steps > 1
+            self.holds_last_micro_batch
             and self.zero_stage == 0
             and self.sharding.param_dtype is None
             and self.groups_buckets
@@ -584,9 +585,19 @@ class StepConfig:
         return _on_gpu(self._need_bound("on_gpu"))
 
     @property
-    def on_cpu(self) -> bool:
-        """Whether the bound mesh's devices are CPUs (XLA:CPU overlaps no collective)."""
-        return self._need_bound("on_cpu").devices.flat[0].platform == "cpu"
+    def holds_last_micro_batch(self) -> bool:
+        """Whether the last micro-batch runs after the loop over the others (accumulation).
+
+        The reductions that follow then depend on its backward pass alone and
+        may overlap it: on an accelerator (XLA:CPU overlaps no collective) and
+        with more than one device on the data axis (on one, fdp reduces
+        nothing). Elsewhere every micro-batch runs in the one loop, as plain
+        jit's scan does: holding the last one back would copy the first K-1 and
+        compile the loop's body twice, for nothing to overlap.
+        """
+        mesh = self._need_bound("holds_last_micro_batch")
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        return self.accumulate_steps > 1 and not on_cpu and self.num_replicas > 1
 
     @property
     def groups_buckets(self) -> bool:
