@@ -275,8 +275,7 @@ class Output:
         then comes later (``owed``), as an empty line, which is left out.
         """
         out = []
-        for record in records:
-            text, is_line = record
+        for text, is_line in records:
             if is_line and owed and not text:
                 owed = False
                 continue
