@@ -12,6 +12,9 @@ the script configures them. It
   who is stuck where (a host callback);
 - pins itself to its share of CPU cores (``FDP_CPU_AFFINITY``) before any
   thread pool sizes itself from the core count;
+- line-buffers C's ``stdout`` (:func:`_line_buffer_c_stdout`), so that a
+  native library's line (gloo's) reaches the pipe in one write, never cut by
+  the script's own lines;
 - runs the script as ``python script.py`` would (``__main__``, ``sys.argv``,
   ``sys.path[0]``);
 - records in the worker's heartbeat (if the script used fdp) that the script
@@ -50,6 +53,8 @@ BLAMES_ATTR = "fdp_blames_process"
 
 # A real-time signal, so that no handler of the script's (SIGUSR1...) is taken or run.
 STACK_SIGNAL: int | None = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
+_C_STDOUT_BUFFER = 8192  # C's BUFSIZ: a longer line goes out in more than one write
+_c_stdout_buffer: list[ctypes.Array[ctypes.c_char]] = []  # C's stdout writes into it until exit
 _stack_fd: list[int] = []  # kept open for faulthandler, which writes from a signal handler
 
 
@@ -91,6 +96,41 @@ def _pin_cpus() -> None:
     if cpus and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError, ValueError):
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
+def _c_stdio() -> tuple[ctypes.CDLL, ctypes.c_void_p] | None:
+    """The C library and its ``stdout`` (a ``FILE *``), or None where they cannot be read."""
+    try:
+        libc = ctypes.CDLL(None)
+        return libc, ctypes.c_void_p.in_dll(libc, "stdout")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _line_buffer_c_stdout() -> None:
+    """Makes C's ``stdout`` line-buffered (glibc's ``setvbuf(stdout, NULL, _IOLBF, 0)``).
+
+    The agent sets ``PYTHONUNBUFFERED``, with which Python makes C's ``stdout``
+    unbuffered too: a C++ ``std::cout << a << b << std::endl`` is then one
+    ``write`` per piece (gloo's connection line is eight), and a line the script
+    prints from Python lands between them on the pipe, glued to gloo's text. Line
+    buffered, a C line is one ``write``, as on a terminal. Nothing has been
+    written through C's ``stdout`` yet, so its buffer is empty.
+    """
+    found = _c_stdio()
+    if found is not None:
+        # glibc keeps an unbuffered stream's one-byte buffer when given none: give one.
+        _c_stdout_buffer.append(ctypes.create_string_buffer(_C_STDOUT_BUFFER))
+        with contextlib.suppress(OSError, AttributeError):
+            found[0].setvbuf(found[1], _c_stdout_buffer[-1], 1, _C_STDOUT_BUFFER)  # _IOLBF
+
+
+def _flush_c_stdio() -> None:
+    """Writes what C's streams hold (a line not yet ended); ``os._exit`` would drop it."""
+    found = _c_stdio()
+    if found is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            found[0].fflush(None)
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -148,6 +188,7 @@ def _exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+    _flush_c_stdio()
     os._exit(code)
 
 
@@ -179,6 +220,7 @@ def main(argv: list[str]) -> None:
     _die_with_agent()
     _dump_stack_on_signal()
     _pin_cpus()
+    _line_buffer_c_stdout()
     module = argv[1] if argv[:1] == ["-m"] else None
     target, args = (module, argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *args]

@@ -28,12 +28,14 @@ _CLEAR = "\r\x1b[K"  # back to the start of the terminal line, erase it
 
 # Lines that say nothing to the user: printed by gloo for every communicator it
 # sets up (16-32 per run), and by JAX when the agent stops a worker with SIGTERM.
-# gloo writes to stdout from C++, apart from Python's own buffer: its line may land
-# after a progress bar's unfinished one, be cut in two by a progress bar's "\r"
-# written between its halves, or have a line of the worker's written between its
-# text and its newline. The patterns are searched anywhere in a record; each half is
-# known on its own; a whole message ends where gloo's text ends (what follows it is
-# the worker's), a half or another form at the end of the record.
+# gloo writes to stdout from C++, apart from Python's own buffer. The bootstrap
+# line-buffers C's stdout, so its line is one write, but it may still land after a
+# progress bar's unfinished one; a worker that writes to fd 1 itself (not run by the
+# bootstrap, or a C stdout of its own) may cut it in two with a progress bar's "\r"
+# or write a line of its own between gloo's text and its newline. The patterns are
+# searched anywhere in a record; each half is known on its own; a whole message
+# ends where gloo's text ends (what follows it is the worker's), a half or another
+# form at the end of the record.
 TRANSPORT_NOISE = (
     re.compile(
         r"\[Gloo\] Rank \d+ is connected to"

@@ -35,6 +35,8 @@ def test_lines_are_whole_prefixed_transport_logs_left_out_and_a_table_at_the_end
         # Written between gloo's text and its newline: kept, and gloo's newline left out.
         assert f"[rank {rank}] glued to gloo's line by rank {rank}\n" in out.stdout
         assert f"[rank {rank}] \n" not in out.stdout
+        # Printed between two of gloo's C++ pieces: C's stdout is line-buffered.
+        assert f"[rank {rank}] between gloo's pieces by rank {rank}\n" in out.stdout
     assert "Gloo" not in out.output and "peer ranks" not in out.output  # nor half of it
     assert all(line.startswith("[rank ") for line in out.stdout.splitlines())
     # Every run ends with a table of the workers.
@@ -56,6 +58,10 @@ def test_fdp_debug_shows_transport_logs_on_lines_of_their_own(marker):
     whole = "[Gloo] Rank 7 is connected to 1 peer ranks. "
     whole += "Expected number of connected peer ranks is : 1"
     assert f"[rank 1] {whole}\n[rank 1] glued to gloo's line by rank 1\n" in out.stdout
+    # gloo's C++ pieces reach the pipe as one line, after the line printed between them.
+    whole = "[Gloo] Rank 9 is connected to 1 peer ranks. "
+    whole += "Expected number of connected peer ranks is : 1"
+    assert f"[rank 1] between gloo's pieces by rank 1\n[rank 1] {whole}\n" in out.stdout
 
 
 def test_log_files_count_attempts_from_1_and_tee_shows_the_console_too(tmp_path, marker):
@@ -122,3 +128,10 @@ def test_records_end_at_newlines_and_carriage_returns():
     assert split_noise(
         "W1123 07:49:17.936475   27353 preemption_notifier.cc:90] SIGTERM caught at"
     )[1]
+
+
+def test_a_line_left_in_c_stdout_is_printed_when_the_worker_fails(marker):
+    """C's stdout is line-buffered under fdp launch; the bootstrap's os._exit flushes it."""
+    out = launch(["--nproc-per-node", "1"], "c_line.py", [], marker, timeout=60)
+    assert out.returncode == 1, out.output
+    assert "[rank 0] half a C line\n" in out.stdout

@@ -6,10 +6,13 @@ Every rank prints gloo's connection line, a progress bar redrawn with carriage
 returns (as tqdm does) with gloo's line landing inside it (once whole, once cut in
 two by the bar), a line written in pieces with pauses between them, and a line to
 stderr; gloo's whole line with a line of the worker's written between its text and
-its newline (as gloo's C++ writes race Python's, seen under fdp launch); rank 0
-waits for rank 1's pieces, so that their writes overlap in time.
+its newline (as gloo's C++ writes race Python's, seen under fdp launch); gloo's
+line written as gloo writes it, through C's stdout piece by piece (std::cout <<),
+with a line of the worker's printed between two pieces; rank 0 waits for rank 1's
+pieces, so that their writes overlap in time.
 """
 
+import ctypes
 import os
 import sys
 import time
@@ -42,4 +45,11 @@ write(f"[Gloo] Rank {rank + 6} is connected to 1 peer ranks. ")
 write("Expected number of connected peer ranks is : 1")
 write(f"glued to gloo's line by rank {rank}\n")
 write("\n")
+# As gloo writes: C's stdout, piece by piece; the worker prints between two pieces.
+libc = ctypes.CDLL(None)
+c_stdout = ctypes.c_void_p.in_dll(libc, "stdout")
+libc.fputs(f"[Gloo] Rank {rank + 8} is connected to ".encode(), c_stdout)
+write(f"between gloo's pieces by rank {rank}\n")
+libc.fputs(b"1 peer ranks. Expected number of connected peer ranks is : 1\n", c_stdout)
+libc.fflush(c_stdout)
 print(f"err from rank {rank}", file=sys.stderr, flush=True)
