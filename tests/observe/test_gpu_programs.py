@@ -413,3 +413,50 @@ def test_stage_3_keeps_a_scanned_stacks_reduce_scatters_in_their_loop_trip(gpu_m
     ours = lowered.compile().memory_analysis().temp_size_in_bytes
     theirs = lowered.compile(pipelined).memory_analysis().temp_size_in_bytes
     assert ours < theirs
+
+
+class _Megatron(nn.Module):
+    """An MLP split over 'model' as Megatron splits it: columns, then rows."""
+
+    @nn.compact
+    def __call__(self, x):
+        split = nn.with_partitioning
+        h = nn.Dense(512, kernel_init=split(nn.initializers.lecun_normal(), (None, "model")))(x)
+        return nn.Dense(256, kernel_init=split(nn.initializers.lecun_normal(), ("model", None)))(
+            nn.relu(h)
+        )
+
+
+def test_stage_3_ties_its_gathers_without_an_all_reduce_over_the_model_axis():
+    """Per use, a gather waits for the activations before it, read whole by a barrier.
+
+    A tie that read one element of an activation split over 'model' cost a scalar
+    all-reduce over 'model' at every use (18 in benchmarks/gpu_tensor_parallel.py's
+    decoder), which plain jit's program does not have.
+    """
+    if (status := _gpu.gpu_compiler_status()) is not None:
+        pytest.skip(status)
+    mesh = _gpu.gpu_mesh("h100_sxm", 8, axis_name=("data", "model"), shape=(4, 2))
+    model = _Megatron()
+
+    def loss(params, batch):
+        return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    def make():
+        params = model.init(jax.random.key(0), jnp.zeros((1, 256)))["params"]
+        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+
+    step = fdp.train_step(loss, mesh=mesh, zero_stage=3, **CAPS)
+    data = NamedSharding(mesh, P("data"))
+    batch = {
+        "x": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=data),
+        "y": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=data),
+    }
+    state = step.abstract_init(make)
+    assert state.params["Dense_0"]["kernel"].value.sharding.spec == P("data", "model")
+    ops = collective_stats(step.lower(state, batch).compile()).ops
+    over_model = {(0, 1), (2, 3), (4, 5), (6, 7)}  # device ids along 'model' of (4, 2)
+    on_model = [op for op in ops if op.kind == "all-reduce" and set(op.groups) == over_model]
+    assert on_model, "the row-split layer's all-reduces over 'model' (XLA's), forward and back"
+    assert [op.nbytes for op in on_model if op.nbytes <= 8] == []
+    assert any(op.kind == "all-gather" for op in ops)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fdp.backends import fold_leading_dims
+from fdp.bucketing._plan import WHOLE
 from fdp.collectives import axis_size, broadcast, is_varying, mean_over, sum_over, vary
 from fdp.collectives._axis import AxisName
 from fdp.hooks import reduce_with_hook
@@ -203,6 +204,9 @@ def reduce_step(
             group_bytes=config.gather_group_bytes,
             gather_dtype=low,
             layouts=plan.buckets.leaf_layouts,
+            # Ties that read one element of a model-split activation cost an
+            # all-reduce over the model axis each; a barrier reads none.
+            barriers=config.on_gpu and any(lay != WHOLE for lay in plan.buckets.leaf_layouts),
         )
     elif config.zero_stage >= 3:  # gathered once, kept until the backward pass is done
         params = gather_params(

@@ -129,7 +129,7 @@ def _merge(values: list[Any]) -> tuple[tuple[Any, ...], Any]:
     return tuple(shards), make
 
 
-def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
+def _tied(shards: tuple[Any, ...], to: Any, barrier: bool = False) -> tuple[Any, ...]:
     """``shards`` made to depend on ``to`` (a pytree of arrays), values unchanged.
 
     Adds ``0 * t`` for one element ``t`` of ``to``: the gather of the result
@@ -138,7 +138,15 @@ def _tied(shards: tuple[Any, ...], to: Any) -> tuple[Any, ...]:
     XLA:CPU removes barriers before common-subexpression elimination, which
     then merges the backward pass's gathers into the forward pass's (every
     parameter whole from the first layer to the last: stage 1's peak).
+
+    With ``barrier`` (GPU, a mesh with model axes: :func:`per_use_objective`),
+    an optimization barrier over ``shards`` and the whole of ``to``: one element
+    of an activation split over a model axis lives on one device of that axis,
+    and reading it costs an all-reduce over the axis at every tie.
     """
+    if barrier:
+        leaves = [x for x in jax.tree.leaves(to) if getattr(x, "size", 0)]
+        return jax.lax.optimization_barrier((shards, leaves))[0] if leaves else shards
     token = _first_number(to)
     if token is None:
         return shards
@@ -205,9 +213,10 @@ class _Prefetch:
     its own cotangent.
     """
 
-    def __init__(self, ahead: int, cap: int = 0) -> None:
+    def __init__(self, ahead: int, cap: int = 0, barrier: bool = False) -> None:
         self.ahead = ahead
         self.cap = cap
+        self.barrier = barrier  # ties read no element (:func:`_tied`)
         self.groups: list[_Group] = []
 
     def join(self, nbytes: int, others: list[Any]) -> tuple[Any, list[_Token], _Token, int | None]:
@@ -218,10 +227,10 @@ class _Prefetch:
         """
         mine = _Token()
         if not self.ahead:
-            return _token(others), [], mine, None
+            return _token(others, self.barrier), [], mine, None
         taken: list[_Token] = []
         if not self.groups or self.groups[-1].nbytes >= self.cap:
-            self.groups.append(_Group(_token(others)))
+            self.groups.append(_Group(_token(others, self.barrier)))
             back = len(self.groups) - 2 - self.ahead
             if back >= 0 and not self.groups[back].sealed:
                 taken = self.groups[back].tokens
@@ -245,7 +254,7 @@ class _Prefetch:
         if self.ahead:
             for group in self.groups:
                 group.sealed = True
-            group = _Group(_token(outs))
+            group = _Group(_token(outs, self.barrier))
             group.nbytes = self.cap
             self.groups.append(group)
 
@@ -308,18 +317,28 @@ def _first_number(to: Any) -> Any:
     return None if x is None else x[(0,) * x.ndim]
 
 
-def _token(to: Any) -> Any:
-    """:func:`_first_number` of ``to``, no gradient through it (a prefetch anchor)."""
+def _token(to: Any, barrier: bool = False) -> Any:
+    """:func:`_first_number` of ``to``, no gradient through it (a prefetch anchor).
+
+    With ``barrier``, :func:`_zero` of ``to``: a scalar that reads no element.
+    """
+    if barrier:
+        return _zero(jax.lax.stop_gradient(to), barrier)
     x = _first_number(to)
     return None if x is None else jax.lax.stop_gradient(x)
 
 
-def _zero(to: Any) -> Any:
+def _zero(to: Any, barrier: bool = False) -> Any:
     """A float32 zero computed from one element of ``to`` (a constant if it has none).
 
     Zero even where that element is not finite (``0 * inf`` is NaN), so a tie to it
-    never changes a value.
+    never changes a value. With ``barrier``, a zero passed through an optimization
+    barrier with the whole of ``to`` (:func:`_tied`): it exists once ``to`` does.
     """
+    if barrier:
+        leaves = [x for x in jax.tree.leaves(to) if getattr(x, "size", 0)]
+        zero = jnp.zeros((), jnp.float32)
+        return jax.lax.optimization_barrier((leaves, zero))[1] if leaves else zero
     x = _first_number(to)
     return jnp.zeros((), jnp.float32) if x is None else _finite_zero(x)
 
@@ -347,6 +366,7 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     others = [v for v in values if not isinstance(v, _Lazy)]
     nbytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shards))
     anchor, taken, mine, group = prefetch.join(nbytes, others)
+    barrier = prefetch.barrier
 
     def keyed(way: str) -> Any:
         if group is None:
@@ -358,13 +378,13 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
 
     @jax.custom_vjp
     def run(others: list[Any], shards: tuple[Any, ...], anchor: Any, taken: Any) -> Any:
-        return apply(others, shards), _zero(others)
+        return apply(others, shards), _zero(others, barrier)
 
     def fwd(*primals: Any) -> Any:
         others, shards, anchor, taken = _primal_values(primals)
         with keyed("forward"):
-            outs = apply(others, _tied(shards, anchor))
-        return (outs, _zero(others)), (others, shards, anchor, taken)
+            outs = apply(others, _tied(shards, anchor, barrier))
+        return (outs, _zero(others, barrier)), (others, shards, anchor, taken)
 
     def bwd(res: Any, ct: tuple[list[Any], Any]) -> tuple[Any, ...]:
         others, shards, anchor, taken = res
@@ -378,13 +398,17 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
         handed = mine.taken and not isinstance(token, SymbolicZero)
         tie = token if handed else real
         with keyed("backward"):
-            tied = _tied(shards, tie)
-            grads = _backward(eqn, make, lazy, others, tied, given, group is not None)
+            tied = _tied(shards, tie, barrier)
+            tie_gradients = group is not None
+            grads = _backward(eqn, make, lazy, others, tied, given, tie_gradients, barrier)
         # The taken tokens' cotangents, as soon as this backward starts: their
         # uses' backward gathers are tied to them. None (a zero) where this use has
         # no cotangent of its own: a constant would leave those gathers untied.
-        x = _first_number(real)
-        early = [None if x is None else _finite_zero(x) for _ in taken]
+        if barrier:
+            early = [_zero(real, barrier) for _ in taken]
+        else:
+            x = _first_number(real)
+            early = [None if x is None else _finite_zero(x) for _ in taken]
         return (*grads, jax.tree.map(jnp.zeros_like, anchor), early)
 
     run.defvjp(fwd, bwd, symbolic_zeros=group is not None)
@@ -414,6 +438,7 @@ def _backward(
     shards: Any,
     ct: list[Any],
     tie_gradients: bool,
+    barrier: bool = False,
 ) -> tuple[list[Any], Any]:
     """The cotangents of ``others`` and ``shards`` of ``eqn``, made whole by ``make``.
 
@@ -444,7 +469,7 @@ def _backward(
     (d_inputs,) = eqn_vjp(real)
     d_made, d_others = pick(d_inputs, True), pick(d_inputs, False)
     if tie_gradients:
-        d_made = list(_tied(tuple(d_made), d_others))
+        d_made = list(_tied(tuple(d_made), d_others, barrier))
     (d_shards,) = gather_vjp(d_made)
     return d_others, d_shards
 
@@ -517,8 +542,9 @@ class Use:
         ahead: int = 0,
         run: Callable[[Any, list[Any], _Prefetch], list[Any]] | None = None,
         cap: int = 0,
+        barrier: bool = False,
     ) -> None:
-        self.prefetch = _Prefetch(ahead, cap)
+        self.prefetch = _Prefetch(ahead, cap, barrier)
         self.run = _use if run is None else run
 
     def __call__(self, eqn: Any, values: list[Any]) -> list[Any]:
@@ -526,7 +552,7 @@ class Use:
 
     def inside(self) -> Use:
         """The same, with prefetch state of its own (for a loop body)."""
-        return Use(self.prefetch.ahead, self.run, self.prefetch.cap)
+        return Use(self.prefetch.ahead, self.run, self.prefetch.cap, self.prefetch.barrier)
 
 
 def _scan(eqn: Any, values: list[Any], use: Use) -> list[Any] | None:
@@ -626,6 +652,7 @@ def per_use_objective(
     group_bytes: int = 0,
     gather_dtype: Any = None,
     layouts: Sequence[P] = (),
+    barriers: bool = False,
 ) -> Objective:
     """``objective`` taking stage 3's shards, each parameter gathered at each of its uses.
 
@@ -638,7 +665,9 @@ def per_use_objective(
     precision, :mod:`fdp.step.grads._mixed`); their gradients stay in theirs.
     ``layouts``: per leaf, its split over the model axes (empty: none), on whose
     blocks it is gathered and its gradient scattered
-    (:func:`fdp.step.layout._zero.gather_leaf`).
+    (:func:`fdp.step.layout._zero.gather_leaf`). ``barriers``: the gathers are
+    tied to the activations with optimization barriers, which read no element of
+    them (:func:`_tied`; on GPU, with model axes, where XLA keeps barriers).
     """
     laid = tuple(layouts) or (WHOLE,) * len(dims)
 
@@ -674,7 +703,7 @@ def per_use_objective(
             and e.invars[0] in sharded
         }
         cap = group_bytes // axis_size(axis_name)  # in bytes of shards
-        use = Use(ahead, cap=cap)
+        use = Use(ahead, cap=cap, barrier=barriers)
         outs = use.prefetch.finish(_interpret(jaxpr, list(closed.consts), flat, gathers, use))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
