@@ -77,7 +77,7 @@ from fdp import _compat as compat
 from fdp._jaxpr import evaluate
 from fdp.bucketing import BucketPlan
 from fdp.bucketing._plan import WHOLE
-from fdp.collectives import axis_size
+from fdp.collectives import axis_size, vary
 from fdp.collectives._axis import AxisName
 from fdp.hooks._bucketed import no_gradient
 from fdp.hooks._contract import mean_reduce_scatter
@@ -338,7 +338,13 @@ def _zero(to: Any, barrier: bool = False) -> Any:
     if barrier:
         leaves = [x for x in jax.tree.leaves(to) if getattr(x, "size", 0)]
         zero = jnp.zeros((), jnp.float32)
-        return jax.lax.optimization_barrier((leaves, zero))[1] if leaves else zero
+        if not leaves:
+            return zero
+        # Typed as an element of ``to`` would be (varying over its axes): a custom
+        # VJP checks that a token's cotangent has its primal's type.
+        axes = sorted(frozenset().union(*(compat.varying_axes(x) for x in leaves)))
+        zero = vary(zero, tuple(axes)) if axes else zero
+        return jax.lax.optimization_barrier((leaves, zero))[1]
     x = _first_number(to)
     return jnp.zeros((), jnp.float32) if x is None else _finite_zero(x)
 
