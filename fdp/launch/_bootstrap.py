@@ -108,7 +108,7 @@ def _c_stdio() -> tuple[ctypes.CDLL, ctypes.c_void_p] | None:
 
 
 def _line_buffer_c_stdout() -> None:
-    """Makes C's ``stdout`` line-buffered (glibc's ``setvbuf(stdout, NULL, _IOLBF, 0)``).
+    """Makes C's ``stdout`` line-buffered (``setvbuf(stdout, buf, _IOLBF, 8192)``).
 
     The agent sets ``PYTHONUNBUFFERED``, with which Python makes C's ``stdout``
     unbuffered too: a C++ ``std::cout << a << b << std::endl`` is then one

@@ -30,9 +30,9 @@ _CLEAR = "\r\x1b[K"  # back to the start of the terminal line, erase it
 # sets up (16-32 per run), and by JAX when the agent stops a worker with SIGTERM.
 # gloo writes to stdout from C++, apart from Python's own buffer. The bootstrap
 # line-buffers C's stdout, so its line is one write, but it may still land after a
-# progress bar's unfinished one; a worker that writes to fd 1 itself (not run by the
-# bootstrap, or a C stdout of its own) may cut it in two with a progress bar's "\r"
-# or write a line of its own between gloo's text and its newline. The patterns are
+# progress bar's unfinished one; where it is not one write (a line longer than C's
+# buffer, a script that unbuffers C's stdout again), a progress bar's "\r" may cut
+# it in two, or a line of the worker's land between its text and its newline. The patterns are
 # searched anywhere in a record; each half is known on its own; a whole message
 # ends where gloo's text ends (what follows it is the worker's), a half or another
 # form at the end of the record.

@@ -145,7 +145,7 @@ def _tied(shards: tuple[Any, ...], to: Any, barrier: bool = False) -> tuple[Any,
     and reading it costs an all-reduce over the axis at every tie.
     """
     if barrier:
-        leaves = [x for x in jax.tree.leaves(to) if getattr(x, "size", 0)]
+        leaves = _arrays(to)
         return jax.lax.optimization_barrier((shards, leaves))[0] if leaves else shards
     token = _first_number(to)
     if token is None:
@@ -302,6 +302,11 @@ def _inexact(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def _arrays(to: Any) -> list[Any]:
+    """The non-empty arrays of ``to``: what a barrier tie waits for (:func:`_tied`)."""
+    return [x for x in jax.tree.leaves(to) if getattr(x, "size", 0)]
+
+
 def _first_number(to: Any) -> Any:
     """One element of the first numeric array of ``to`` (None if it has none)."""
     x = next(
@@ -336,7 +341,7 @@ def _zero(to: Any, barrier: bool = False) -> Any:
     barrier with the whole of ``to`` (:func:`_tied`): it exists once ``to`` does.
     """
     if barrier:
-        leaves = [x for x in jax.tree.leaves(to) if getattr(x, "size", 0)]
+        leaves = _arrays(to)
         zero = jnp.zeros((), jnp.float32)
         if not leaves:
             return zero
