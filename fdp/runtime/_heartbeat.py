@@ -38,6 +38,7 @@ HEARTBEAT_VAR = "FDP_HEARTBEAT_FILE"
 _SIZE = 128
 _MAGIC = b"FDPH"
 _COUNTS = struct.Struct("=qqq")  # entered, finished, writes: native order, 8 bytes each
+_pack_counts = _COUNTS.pack_into
 _AT = 8  # where the counters start (after the magic and 4 bytes of padding)
 _TEXT = _AT + _COUNTS.size  # where the line of text starts
 _busy_lock = threading.Lock()
@@ -166,8 +167,19 @@ def _count(entered: int, finished: int) -> None:
 
 def step_entered() -> None:
     """Records that this process entered one more step (called at the start of the call)."""
-    finished = _state["steps"][1]
-    _count(finished + 1, finished)
+    s = _state
+    finished = s["steps"][1]
+    m = s["map"]
+    if not m or s["flag"] != "-":  # not mapped yet, or the whole record to write
+        _count(finished + 1, finished)
+        return
+    # The steady state, inlined (a step's every call): ~0.3 us on a 2-core VM, half of _count's.
+    s["steps"] = (finished + 1, finished)
+    s["changes"] = changes = s["changes"] + 1
+    try:
+        _pack_counts(m, _AT, finished + 1, finished, changes)
+    except (ValueError, TypeError):
+        s["map"] = False  # closed under us: stop trying
 
 
 @contextlib.contextmanager
@@ -191,8 +203,21 @@ def compiling() -> Iterator[None]:
 
 def step_done() -> None:
     """Records that this process completed (dispatched) one more step."""
-    entered, finished = _state["steps"]
-    _count(max(entered, finished + 1), finished + 1)
+    s = _state
+    entered, finished = s["steps"]
+    finished += 1
+    if entered < finished:
+        entered = finished
+    m = s["map"]
+    if not m or s["flag"] != "-":
+        _count(entered, finished)
+        return
+    s["steps"] = (entered, finished)  # as step_entered: _count inlined
+    s["changes"] = changes = s["changes"] + 1
+    try:
+        _pack_counts(m, _AT, entered, finished, changes)
+    except (ValueError, TypeError):
+        s["map"] = False
 
 
 def steps_done() -> int:
