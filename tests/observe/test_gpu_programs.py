@@ -276,7 +276,9 @@ def test_an_nnx_step_with_dropout_compiles_from_shapes_alone(gpu_mesh, zero_stag
         step = fdp.nnx_train_step(loss, mesh=gpu_mesh, sharding=fdp.Sharding(zero_stage=3))
         ops = collective_stats(step.lower(model, optimizer, batch).compile()).ops
         assert sum(op.kind == "reduce-scatter" for op in ops) >= len(step.plan.buckets)
-        assert sum(op.kind == "all-gather" for op in ops) >= 2 * len(step.plan.buckets)
+        # The whole net is under one group's cap: the forward pass's last uses, kept
+        # gathered for the backward pass (as FSDP2's root module), so gathered once.
+        assert sum(op.kind == "all-gather" for op in ops) == len(step.plan.buckets)
 
 
 def test_fdp_describe_reads_the_gpu_program(gpu_mesh, capsys):

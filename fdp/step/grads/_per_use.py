@@ -49,7 +49,10 @@ the loss's traced program:
 
 The price: a second all-gather per leaf (the backward one), and with
 ``accumulate_steps=K`` the gathers and reduce-scatters run in every micro-batch;
-the accumulated gradient is a share, ``1/N`` of stage 0's.
+the accumulated gradient is a share, ``1/N`` of stage 0's. On GPU the forward
+pass's last group (the output layer) is the exception: used again as soon as
+the backward pass starts, it keeps its gathered values (:meth:`_Prefetch.keeps`),
+as FSDP2 keeps its root module unsharded after the forward pass.
 
 Limits: a stack with no other dimension divisible by ``N``, or one that is
 transformed (transposed, cast) before its ``scan``, is gathered whole for the
@@ -213,11 +216,30 @@ class _Prefetch:
     its own cotangent.
     """
 
-    def __init__(self, ahead: int, cap: int = 0, barrier: bool = False) -> None:
+    def __init__(
+        self, ahead: int, cap: int = 0, barrier: bool = False, keep_last: bool = False
+    ) -> None:
         self.ahead = ahead
         self.cap = cap
         self.barrier = barrier  # ties read no element (:func:`_tied`)
+        self.keep_last = keep_last  # the last group is not gathered again (:meth:`keeps`)
         self.groups: list[_Group] = []
+
+    def keeps(self, group: int | None) -> bool:
+        """Whether the uses of ``group`` keep their gathered values for their backward pass.
+
+        With ``keep_last`` (a trace outside loops, with groups), the forward pass's
+        last group (the output layer, where it closes a group) is used again as
+        soon as the backward pass starts: its backward gather, tied to the loss,
+        would have nothing to hide behind. Its gathered values are kept instead,
+        as FSDP2 keeps its root module's parameters unsharded after the forward
+        pass. A group before a loop over layers is never the last. Read when the
+        backward pass is traced, once the forward pass has made every group.
+        """
+        last = len(self.groups) - 1
+        return (
+            self.keep_last and group is not None and group == last and not self.groups[last].sealed
+        )
 
     def join(self, nbytes: int, others: list[Any]) -> tuple[Any, list[_Token], _Token, int | None]:
         """A use of ``nbytes`` of shards joins a group.
@@ -378,6 +400,7 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     nbytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(shards))
     anchor, taken, mine, group = prefetch.join(nbytes, others)
     barrier = prefetch.barrier
+    keep = prefetch.keep_last  # whether the gathered values may be kept (Prefetch.keeps)
 
     def keyed(way: str) -> Any:
         if group is None:
@@ -394,11 +417,15 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     def fwd(*primals: Any) -> Any:
         others, shards, anchor, taken = _primal_values(primals)
         with keyed("forward"):
-            outs = apply(others, _tied(shards, anchor, barrier))
-        return (outs, _zero(others, barrier)), (others, shards, anchor, taken)
+            inputs = make(_tied(shards, anchor, barrier), others)
+            outs = compat.bind_equation(eqn, inputs)
+        # The gathered values, for a backward pass that keeps them (the last group's);
+        # any other's never reads them, and XLA frees them after this equation.
+        kept = [x for x, z in zip(inputs, lazy, strict=True) if z] if keep else []
+        return (outs, _zero(others, barrier)), (others, shards, anchor, taken, kept)
 
     def bwd(res: Any, ct: tuple[list[Any], Any]) -> tuple[Any, ...]:
-        others, shards, anchor, taken = res
+        others, shards, anchor, taken, kept = res
         given, token = ct
         real = [c for c in given if not isinstance(c, SymbolicZero)]
         if not real:  # outputs that reach no loss (symbolic zeros): nothing to do
@@ -411,7 +438,10 @@ def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
         with keyed("backward"):
             tied = _tied(shards, tie, barrier)
             tie_gradients = group is not None
-            grads = _backward(eqn, make, lazy, others, tied, given, tie_gradients, barrier)
+            gathered = kept if prefetch.keeps(group) else None
+            grads = _backward(
+                eqn, make, lazy, others, tied, given, tie_gradients, barrier, gathered
+            )
         # The taken tokens' cotangents, as soon as this backward starts: their
         # uses' backward gathers are tied to them. None (a zero) where this use has
         # no cotangent of its own: a constant would leave those gathers untied.
@@ -450,6 +480,7 @@ def _backward(
     ct: list[Any],
     tie_gradients: bool,
     barrier: bool = False,
+    gathered: list[Any] | None = None,
 ) -> tuple[list[Any], Any]:
     """The cotangents of ``others`` and ``shards`` of ``eqn``, made whole by ``make``.
 
@@ -464,13 +495,18 @@ def _backward(
     gathers merged. Tied, the update depends on the gather and cannot be fused
     with its input. A use whose backward pass needs no gathered value (a bias
     added) still gathers nothing. ``ct`` may hold symbolic zeros
-    (``symbolic_zeros=True``): zeros of the outputs' types here.
+    (``symbolic_zeros=True``): zeros of the outputs' types here. ``gathered``:
+    the lazy inputs as the forward pass gathered them (:meth:`_Prefetch.keeps`),
+    used instead of gathering them again (the gather's transpose still makes
+    the shards' gradient).
     """
 
     def pick(xs: list[Any], gathered: bool) -> list[Any]:
         return [x for x, z in zip(xs, lazy, strict=True) if z == gathered]
 
     made, gather_vjp = jax.vjp(lambda s: pick(make(s, others), True), shards)
+    if gathered is not None:  # the gather above then has no use: XLA drops it
+        made = gathered
     parts = (iter(made), iter(others))
     inputs = [next(parts[0]) if z else next(parts[1]) for z in lazy]
     outs, eqn_vjp = jax.vjp(lambda xs: compat.bind_equation(eqn, xs), inputs)
@@ -554,15 +590,20 @@ class Use:
         run: Callable[[Any, list[Any], _Prefetch], list[Any]] | None = None,
         cap: int = 0,
         barrier: bool = False,
+        keep_last: bool = False,
     ) -> None:
-        self.prefetch = _Prefetch(ahead, cap, barrier)
+        self.prefetch = _Prefetch(ahead, cap, barrier, keep_last)
         self.run = _use if run is None else run
 
     def __call__(self, eqn: Any, values: list[Any]) -> list[Any]:
         return self.run(eqn, values, self.prefetch)
 
     def inside(self) -> Use:
-        """The same, with prefetch state of its own (for a loop body)."""
+        """The same, with prefetch state of its own (for a loop body).
+
+        A loop body keeps no group gathered (``keep_last``): its residuals are
+        stacked over the iterations, every layer's gathered values.
+        """
         return Use(self.prefetch.ahead, self.run, self.prefetch.cap, self.prefetch.barrier)
 
 
@@ -714,7 +755,8 @@ def per_use_objective(
             and e.invars[0] in sharded
         }
         cap = group_bytes // axis_size(axis_name)  # in bytes of shards
-        use = Use(ahead, cap=cap, barrier=barriers)
+        # With groups (GPU), the forward pass's last group stays gathered for the backward.
+        use = Use(ahead, cap=cap, barrier=barriers, keep_last=ahead > 0)
         outs = use.prefetch.finish(_interpret(jaxpr, list(closed.consts), flat, gathers, use))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 

@@ -297,9 +297,11 @@ class Sharding:
         ``True`` (default): each parameter is gathered where the forward pass
         uses it, freed after, and gathered again for the backward pass
         (:mod:`fdp.step.grads._per_use`; with the default mean hook, else as
-        ``False``). ``False``: every bucket is gathered at the start of the
-        step and kept until the backward pass is done (one gather per bucket,
-        stage 1's peak memory), for users who have the memory.
+        ``False``); on GPU the forward pass's last gather group is kept for
+        the backward pass, as FSDP2 keeps its root module. ``False``: every
+        bucket is gathered at the start of the step and kept until the
+        backward pass is done (one gather per bucket, stage 1's peak memory),
+        for users who have the memory.
       shard_over: on a host x device data axis (``axis_name=fdp.HOST_AXES``),
         which devices share the sharded state. ``"all"`` (default): every
         device of the data axis holds ``1/N`` (``N`` = all devices; on a
