@@ -173,7 +173,8 @@ def step_entered() -> None:
     if not m or s["flag"] != "-":  # not mapped yet, or the whole record to write
         _count(finished + 1, finished)
         return
-    # The steady state, inlined (a step's every call): ~0.3 us on a 2-core VM, half of _count's.
+    # The steady state, inlined (a step's every call): both writes 0.7x the time through
+    # _count (1.37 against 1.94 us under fdp launch on the 2-core VM).
     s["steps"] = (finished + 1, finished)
     s["changes"] = changes = s["changes"] + 1
     try:

@@ -289,8 +289,23 @@ def test_gathers_in_groups_tied_ahead_give_the_gradients_of_gathers_tied_to_thei
     chex.assert_trees_all_close(grads, jax.tree.map(lambda g: n * g, full), rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("gather_dtype", "barriers"), [(jnp.bfloat16, False), (None, True)], ids=["bf16", "barriers"]
+)
+def test_the_last_group_kept_gathered_gives_the_gradients_of_gathering_it_again(
+    gather_dtype, barriers
+):
+    # With groups (ahead > 0) the forward pass's last group keeps its gathered values
+    # (cast to bf16 for the gather, or tied by optimization barriers) for its backward
+    # pass; without (ahead 0) every use gathers again. The same gather dtype and ties:
+    # the same numbers.
+    kept = _per_use_gradients(_deep_case, 1, 512 * 1024, None, gather_dtype, barriers)
+    again = _per_use_gradients(_deep_case, 0, 0, None, gather_dtype, barriers)
+    chex.assert_trees_all_close(kept, again, rtol=1e-5, atol=1e-8)
+
+
 @functools.cache  # each case's ungrouped reference is computed once
-def _per_use_gradients(case, ahead, group_bytes, metric):
+def _per_use_gradients(case, ahead, group_bytes, metric, gather_dtype=None, barriers=False):
     """Loss and gradients of ``case`` through per_use_objective on 8 simulated devices."""
     from fdp.step.grads._per_use import per_use_objective
     from fdp.step.layout._zero import shard_dim
@@ -308,7 +323,15 @@ def _per_use_gradients(case, ahead, group_bytes, metric):
     def objective(p, micro, carry, key):
         return loss_fn(p, micro), (() if metric is None else metric(p, micro)), carry
 
-    per_use = per_use_objective(objective, dims, "data", ahead=ahead, group_bytes=group_bytes)
+    per_use = per_use_objective(
+        objective,
+        dims,
+        "data",
+        ahead=ahead,
+        group_bytes=group_bytes,
+        gather_dtype=gather_dtype,
+        barriers=barriers,
+    )
 
     def local(shards, micro):
         loss, grads = jax.value_and_grad(lambda s: per_use(s, micro, (), None)[0])(shards)

@@ -18,9 +18,10 @@ the loss's traced program:
   with an activation; equations on parameters alone (a transpose, a cast) stay
   deferred, and nested ``jit`` calls are entered.
 - **A custom VJP per use** (:func:`_use`): the equation runs on the gathered
-  value, its residuals are its other inputs and the shards, never the gathered
-  parameter, so XLA frees it after the equation; the backward pass gathers it
-  again and differentiates the equation there. The shards' gradient is the
+  value, and its backward pass gathers it again from the shards (a residual,
+  with the equation's other inputs) and differentiates the equation there. No
+  backward pass but the last group's (below) reads the gathered value, so XLA
+  frees it after the equation. The shards' gradient is the
   all-gather's transpose, a reduce-scatter: summed over the data axis, this
   device's share, sent as soon as that layer's backward is done.
 - **Order by data** (:class:`_Prefetch`, :func:`_tied`): on CPU, where
@@ -49,10 +50,11 @@ the loss's traced program:
 
 The price: a second all-gather per leaf (the backward one), and with
 ``accumulate_steps=K`` the gathers and reduce-scatters run in every micro-batch;
-the accumulated gradient is a share, ``1/N`` of stage 0's. On GPU the forward
-pass's last group (the output layer) is the exception: used again as soon as
-the backward pass starts, it keeps its gathered values (:meth:`_Prefetch.keeps`),
-as FSDP2 keeps its root module unsharded after the forward pass.
+the accumulated gradient is a share, ``1/N`` of stage 0's. On GPU with
+prefetch, the forward pass's last group (the output layer, where it closes a
+group) is the exception: used again as soon as the backward pass starts, it
+keeps its gathered values (:meth:`_Prefetch.keeps`), as FSDP2 keeps its root
+module unsharded after the forward pass.
 
 Limits: a stack with no other dimension divisible by ``N``, or one that is
 transformed (transposed, cast) before its ``scan``, is gathered whole for the
@@ -384,9 +386,10 @@ def _finite_zero(x: Any) -> Any:
 def _use(eqn: Any, values: list[Any], prefetch: _Prefetch) -> list[Any]:
     """``eqn`` on ``values``, some lazy: gathered just before it, again in its backward.
 
-    A custom VJP whose residuals are the equation's other inputs and the shards,
-    never the gathered parameters, so XLA frees them after the equation; the
-    gradient of the shards is the all-gather's transpose, a reduce-scatter.
+    A custom VJP whose residuals are the equation's other inputs and the shards
+    (and, with ``keep_last``, the gathered inputs, which only the last group's
+    backward pass reads: for any other use XLA frees them after the equation);
+    the gradient of the shards is the all-gather's transpose, a reduce-scatter.
     Besides the equation's outputs it returns a zero token (:class:`_Token`).
     The forward gather is tied to the anchor :class:`_Prefetch` gives, the
     backward one to the cotangent a later use hands back for this use's token,
@@ -505,7 +508,11 @@ def _backward(
         return [x for x, z in zip(xs, lazy, strict=True) if z == gathered]
 
     made, gather_vjp = jax.vjp(lambda s: pick(make(s, others), True), shards)
-    if gathered is not None:  # the gather above then has no use: XLA drops it
+    if gathered is not None:
+        # The gather above then has no use and XLA drops it, where ``make`` is linear
+        # in it (a gather, a cast, a transpose); a parameter-only computation that is
+        # not (``exp`` of a log-scale) still needs it for its VJP: the right gradient,
+        # the gather kept.
         made = gathered
     parts = (iter(made), iter(others))
     inputs = [next(parts[0]) if z else next(parts[1]) for z in lazy]

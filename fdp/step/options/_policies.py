@@ -297,8 +297,8 @@ class Sharding:
         ``True`` (default): each parameter is gathered where the forward pass
         uses it, freed after, and gathered again for the backward pass
         (:mod:`fdp.step.grads._per_use`; with the default mean hook, else as
-        ``False``); on GPU the forward pass's last gather group is kept for
-        the backward pass, as FSDP2 keeps its root module. ``False``: every
+        ``False``); on GPU with ``prefetch``, the forward pass's last gather
+        group is kept for the backward pass, as FSDP2 keeps its root module. ``False``: every
         bucket is gathered at the start of the step and kept until the
         backward pass is done (one gather per bucket, stage 1's peak memory),
         for users who have the memory.
