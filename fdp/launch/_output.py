@@ -29,13 +29,14 @@ _CLEAR = "\r\x1b[K"  # back to the start of the terminal line, erase it
 # Lines that say nothing to the user: printed by gloo for every communicator it
 # sets up (16-32 per run), and by JAX when the agent stops a worker with SIGTERM.
 # gloo writes to stdout from C++, apart from Python's own buffer. The bootstrap
-# line-buffers C's stdout, so its line is one write, but it may still land after a
-# progress bar's unfinished one; where it is not one write (a line longer than C's
-# buffer, a script that unbuffers C's stdout again), a progress bar's "\r" may cut
-# it in two, or a line of the worker's land between its text and its newline. The patterns are
-# searched anywhere in a record; each half is known on its own; a whole message
-# ends where gloo's text ends (what follows it is the worker's), a half or another
-# form at the end of the record.
+# line-buffers C's stdout, so its line is one write: :data:`GLOO_LINE` takes it
+# out of the byte stream wherever it lands (inside a progress bar, between a
+# print's text and its newline). Where it is not one write (a line longer than
+# C's buffer, a script that unbuffers C's stdout again), a progress bar's "\r"
+# may cut it in two, or a line of the worker's land between its text and its
+# newline: these patterns are searched anywhere in a record; each half is known
+# on its own; a whole message ends where gloo's text ends (what follows it is the
+# worker's), a half or another form at the end of the record.
 TRANSPORT_NOISE = (
     re.compile(
         r"\[Gloo\] Rank \d+ is connected to"
@@ -87,11 +88,27 @@ def split_noise(line: str) -> tuple[str, str, str]:
     return line, "", ""
 
 
+# gloo's whole connection line as C's line-buffered stdout writes it: one write,
+# newline and all. Python's print is two writes (the text, then "\n") under
+# PYTHONUNBUFFERED, and this line can land between them; cut out of the stream,
+# the worker's text and its newline meet again.
+GLOO_LINE = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    rb"Expected number of connected peer ranks is : \d+\n"
+)
+
+
 class Splitter:
     r"""Cuts a byte stream into records ending at ``\n`` (lines) or ``\r`` (progress).
 
     ``\r\n`` ends one line. A partial record waits for more bytes, up to
-    64 KiB; :meth:`flush` returns what is left at the end of the stream.
+    64 KiB; :meth:`flush` returns what is left at the end of the stream. Text
+    that ``cut`` matches whole (its own line, newline included) is taken out of
+    the stream where it stands and given as a line of its own, so what was
+    written around it joins up.
+
+    Args:
+      cut: whole lines written in one write by another writer (:data:`GLOO_LINE`).
 
     Example:
       >>> s = Splitter()
@@ -99,22 +116,28 @@ class Splitter:
       [('bar 1', False), ('bar 2', False), ('bar 3', True), ('ok', True)]
       >>> s.flush()
       [('half', True)]
+      >>> s = Splitter(cut=re.compile(rb"<noise>\n"))
+      >>> s.feed(b"a\nloss 0.25<noise>\n\n")
+      [('a', True), ('<noise>', True), ('loss 0.25', True)]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cut: re.Pattern[bytes] | None = None) -> None:
         self._buf = b""
+        self._cut = cut
 
     def feed(self, data: bytes) -> list[tuple[str, bool]]:
         """The records ``data`` completes: ``(text, True)`` a line, ``(text, False)`` progress."""
         buf, out, start = self._buf + data, [], 0
-        for m in re.finditer(rb"\r\n|\n|\r", buf):
-            if m.group() == b"\r" and m.end() == len(buf):
-                break  # a "\r" that may start "\r\n": wait for the next byte
-            record = buf[start : m.start()]
-            if record or m.group() != b"\r":  # "\r" at a line's start ends nothing
-                out.append((record.decode(errors="replace"), m.group() != b"\r"))
-            start = m.end()
-        self._buf = buf[start:]
+        if self._cut is not None:
+            rest = b""
+            for m in self._cut.finditer(buf):
+                records, rest = _records(rest + buf[start : m.start()])
+                out += records
+                out.append((m.group().rstrip(b"\n").decode(errors="replace"), True))
+                start = m.end()
+            buf = rest + buf[start:]
+        records, self._buf = _records(buf)
+        out += records
         if len(self._buf) > _MAX_RECORD:
             out.append((self._buf.decode(errors="replace"), True))
             self._buf = b""
@@ -124,6 +147,19 @@ class Splitter:
         """The unfinished record at the end of the stream, as a line."""
         text, self._buf = self._buf.rstrip(b"\r").decode(errors="replace"), b""
         return [(text, True)] if text else []
+
+
+def _records(buf: bytes) -> tuple[list[tuple[str, bool]], bytes]:
+    """The records ``buf`` ends, and what is left of it unfinished."""
+    out, start = [], 0
+    for m in re.finditer(rb"\r\n|\n|\r", buf):
+        if m.group() == b"\r" and m.end() == len(buf):
+            break  # a "\r" that may start "\r\n": wait for the next byte
+        record = buf[start : m.start()]
+        if record or m.group() != b"\r":  # "\r" at a line's start ends nothing
+            out.append((record.decode(errors="replace"), m.group() != b"\r"))
+        start = m.end()
+    return out, buf[start:]
 
 
 class Console:
@@ -244,7 +280,7 @@ class Output:
 
     def _copy(self, pipe: IO[bytes], sink: IO[str]) -> None:
         prefix = f"[rank {self.rank}] "
-        splitter, owed = Splitter(), False
+        splitter, owed = Splitter(cut=GLOO_LINE), False
         with pipe:
             fd = pipe.fileno()
             while True:

@@ -13,7 +13,7 @@ from _procs import launch
 
 from fdp.launch._cli import build_parser
 from fdp.launch._config import from_namespace
-from fdp.launch._output import CONSOLE, Console, Splitter, split_noise
+from fdp.launch._output import CONSOLE, GLOO_LINE, Console, Splitter, split_noise
 
 
 def chatty(marker, *launch_args, **env):
@@ -37,6 +37,8 @@ def test_lines_are_whole_prefixed_transport_logs_left_out_and_a_table_at_the_end
         assert f"[rank {rank}] \n" not in out.stdout
         # Printed between two of gloo's C++ pieces: C's stdout is line-buffered.
         assert f"[rank {rank}] between gloo's pieces by rank {rank}\n" in out.stdout
+        # gloo's whole line between a print's text and its newline: the line joins up.
+        assert f"[rank {rank}] printed around gloo's line by rank {rank}\n" in out.stdout
     assert "Gloo" not in out.output and "peer ranks" not in out.output  # nor half of it
     assert all(line.startswith("[rank ") for line in out.stdout.splitlines())
     # Every run ends with a table of the workers.
@@ -62,6 +64,9 @@ def test_fdp_debug_shows_transport_logs_on_lines_of_their_own(marker):
     whole = "[Gloo] Rank 9 is connected to 1 peer ranks. "
     whole += "Expected number of connected peer ranks is : 1"
     assert f"[rank 1] between gloo's pieces by rank 1\n[rank 1] {whole}\n" in out.stdout
+    # Between a print's text and its newline: gloo's line first, then the print's, whole.
+    whole = whole.replace("Rank 9", "Rank 11")
+    assert f"[rank 1] {whole}\n[rank 1] printed around gloo's line by rank 1\n" in out.stdout
 
 
 def test_log_files_count_attempts_from_1_and_tee_shows_the_console_too(tmp_path, marker):
@@ -125,6 +130,26 @@ def test_records_end_at_newlines_and_carriage_returns():
     assert s.feed(b"a\r\nb\r") == [("a", True)]  # "\r" at the end may start "\r\n"
     assert s.feed(b"c\n") == [("b", False), ("c", True)]
     assert s.feed(b"x" * 70000) == [("x" * 70000, True)]  # bounded
+    gloo = b"[Gloo] Rank 0 is connected to 1 peer ranks. "
+    gloo += b"Expected number of connected peer ranks is : 1\n"
+    s = Splitter(cut=GLOO_LINE)
+    # Across reads, inside a print and inside a progress bar, in the order written.
+    assert s.feed(b"a\nloss 0.25" + gloo[:20]) == [("a", True)]
+    assert s.feed(gloo[20:] + b"\n\rbar 1" + gloo + b"\rbar 2\n") == [
+        (
+            "[Gloo] Rank 0 is connected to 1 peer ranks. "
+            "Expected number of connected peer ranks is : 1",
+            True,
+        ),
+        ("loss 0.25", True),
+        (
+            "[Gloo] Rank 0 is connected to 1 peer ranks. "
+            "Expected number of connected peer ranks is : 1",
+            True,
+        ),
+        ("bar 1", False),
+        ("bar 2", True),
+    ]
     assert split_noise(
         "W1123 07:49:17.936475   27353 preemption_notifier.cc:90] SIGTERM caught at"
     )[1]

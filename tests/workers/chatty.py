@@ -8,7 +8,9 @@ two by the bar), a line written in pieces with pauses between them, and a line t
 stderr; gloo's whole line with a line of the worker's written between its text and
 its newline (as gloo's C++ writes race Python's, seen under fdp launch); gloo's
 line written as gloo writes it, through C's stdout piece by piece (std::cout <<),
-with a line of the worker's printed between two pieces; rank 0 waits for rank 1's
+with a line of the worker's printed between two pieces; gloo's line written whole
+(as line-buffered C writes it) between a print's text and its newline, which
+Python writes apart when unbuffered; rank 0 waits for rank 1's
 pieces, so that their writes overlap in time.
 """
 
@@ -52,4 +54,10 @@ libc.fputs(f"[Gloo] Rank {rank + 8} is connected to ".encode(), c_stdout)
 write(f"between gloo's pieces by rank {rank}\n")
 libc.fputs(b"1 peer ranks. Expected number of connected peer ranks is : 1\n", c_stdout)
 libc.fflush(c_stdout)
+# Line-buffered C: gloo's whole line in one write, between a print's two writes.
+write(f"printed around gloo's line by rank {rank}")
+libc.fputs(f"[Gloo] Rank {rank + 10} is connected to 1 peer ranks. ".encode(), c_stdout)
+libc.fputs(b"Expected number of connected peer ranks is : 1\n", c_stdout)
+libc.fflush(c_stdout)
+write("\n")
 print(f"err from rank {rank}", file=sys.stderr, flush=True)
