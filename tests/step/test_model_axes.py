@@ -532,3 +532,43 @@ def test_bucket_scatters_and_gathers_keep_the_model_split(sharding):
     assert not along_model, along_model
     trained = jax.device_get(train(step, state, mesh).params)
     chex.assert_trees_all_close(trained, expected(params), **TOL)
+
+
+@pytest.mark.parametrize("cap_mb", [25.0, 3e-4], ids=["one-group", "small-groups"])
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
+def test_zero3_gather_groups_keep_the_last_one_and_end_where_one_device_does(
+    shape, cap_mb, monkeypatch
+):
+    # On GPU stage 3 gathers in groups ahead of their use, and the forward pass's last
+    # group keeps its gathered values for the backward pass; CPU steps gather at each use.
+    # Groups forced here on model-split leaves: one group holding the whole model, all
+    # kept; or groups of ~300 shard bytes, the last (the output layer's kernel and
+    # bias) kept and those before it gathered again. Adam is blind to a gradient's
+    # scale, not to its direction: kept values off by a constant fail both.
+    from fdp.step.grads._per_use import _Prefetch
+    from fdp.step.options._config import StepConfig
+
+    monkeypatch.setattr(StepConfig, "prefetch_groups", property(lambda self: 1))
+    keeps, kept = _Prefetch.keeps, []  # (group, kept?) as the backward pass asks
+
+    def spy(self, group):
+        kept.append((group, keeps(self, group)))
+        return kept[-1][1]
+
+    monkeypatch.setattr(_Prefetch, "keeps", spy)
+    mesh, params = mesh_of(shape), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(
+        mse(Megatron().apply),
+        mesh=mesh,
+        sharding=fdp.Sharding(zero_stage=3),
+        reduction=fdp.Reduction(bucket_cap_mb=cap_mb),
+    )
+    assert step.config.gather_group_bytes == int(cap_mb * 2**20)
+    state = train(step, step.init(state), mesh)
+    groups = {g for g, _ in kept}
+    assert {g for g, k in kept if k} == {max(groups)}  # the last group, and only it
+    assert (len(groups) == 1) == (cap_mb > 1), kept  # else a group before it, gathered again
+    kernel = state.params["Dense_0"]["kernel"]
+    assert kernel.addressable_shards[0].data.size == kernel.size // 8
+    chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
