@@ -262,7 +262,8 @@ def run(args):
         for stage in args.stages:
             # --kept: stage 3 gathers every bucket once, at the start (as GSPMD does here).
             sharding = fdp.Sharding(zero_stage=stage, reshard_after_forward=not args.kept)
-            step = fdp.train_step(loss_fn, mesh=mesh, sharding=sharding)
+            reduction = fdp.Reduction(bucket_cap_mb=args.bucket_cap_mb)
+            step = fdp.train_step(loss_fn, mesh=mesh, sharding=sharding, reduction=reduction)
             state = linen_layout(step.config, placed)  # fdp's layout, as its step keeps it
             t0 = time.perf_counter()
             base = describe(plain_jit(jit_loss_fn, state, batch), mesh, args.target)
@@ -345,6 +346,7 @@ def main():
     parser.add_argument(
         "--kept", action="store_true", help="stage 3 with reshard_after_forward=False"
     )
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="fdp's bucket cap")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     args.meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes]

@@ -148,7 +148,8 @@ def reduce_with_hook(
     after = None  # the previous bucket's reduced gradients: each bucket comes after it
     for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
         # A bucket split over a model axis is reduced where it lies: packing it into one
-        # flat buffer would gather it whole over that axis first.
+        # flat buffer would gather it whole over that axis first. Grouped (GPU), its
+        # tagged all-reduces still merge into one.
         split = len(bucket.layout) > 0
         grad_bucket = GradBucket(
             bucket,
@@ -160,7 +161,7 @@ def reduce_with_hook(
             if param_leaves is None
             else [param_leaves[i] for i in bucket.leaf_indices],
             shard_dims=None if scatter is None else [dims[i] for i in bucket.leaf_indices],
-            grouped=grouped and not split,
+            grouped=grouped,
             after=after,
             largest_nbytes=largest,
         )

@@ -60,11 +60,13 @@ class GradBucket:
         that every process runs those calls in bucket order.
       largest_nbytes: the bytes of the largest bucket of this reduction (a
         hook that reserves room for every bucket at the first one reads it).
-      grouped: with ``layout='flat'``, whether the step's compiler merges the
-        collectives tagged with the bucket's key (:func:`bucket_key`) into one
-        (XLA:GPU, the default hook). The default hook then reduces the
+      grouped: with the step's ``layout='flat'``, whether its compiler merges
+        the collectives tagged with the bucket's key (:func:`bucket_key`) into
+        one (XLA:GPU, the default hook). The default hook then reduces the
         gradients where they lie, one tagged all-reduce each, instead of
         packing them: still one collective per bucket, without the packing copy.
+        A bucket split over model axes (``layout`` is then ``'leaves'``) is
+        reduced so on each device's block of it.
     """
 
     def __init__(

@@ -20,6 +20,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fdp
+from fdp.collectives._blocks import on_blocks
+from fdp.step.options._config import StepConfig
 
 STEPS, ROWS = 3, 32
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -132,6 +134,29 @@ def test_linen_keeps_the_model_split_and_ends_where_one_device_does(shape, layou
     assert_split_over_model(state.params, mesh)
     assert_split_over_model(state.opt_state[0].mu, mesh)
     assert_split_over_model(state.opt_state[0].nu, mesh)
+    chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
+def test_grouped_buckets_reduce_model_split_blocks_and_end_where_one_device_does(
+    shape, monkeypatch
+):
+    # On GPU each bucket's gradients are all-reduced where they lie, tagged with the
+    # bucket's key (XLA merges them into one), a model-split bucket on each device's
+    # block. Forced here on CPU, where the tags change nothing but the path is the same.
+    from fdp.hooks import _basic
+
+    monkeypatch.setattr(StepConfig, "groups_buckets", property(lambda self: True))
+    blocks = []  # the layouts the default hook reduced on their blocks
+    monkeypatch.setattr(
+        _basic, "on_blocks", lambda fn, layout: blocks.append(layout) or on_blocks(fn, layout)
+    )
+    mesh, params = mesh_of(shape), params_of()
+    state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(Megatron().apply), mesh=mesh, reduction=fdp.Reduction(layout="flat"))
+    state = train(step, step.init(state), mesh)
+    assert set(blocks) == {P(None, "model"), P("model"), P()}, blocks
+    assert_split_over_model(state.params, mesh)
     chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
 
 
@@ -546,7 +571,6 @@ def test_zero3_gather_groups_keep_the_last_one_and_end_where_one_device_does(
     # bias) kept and those before it gathered again. Adam is blind to a gradient's
     # scale, not to its direction: kept values off by a constant fail both.
     from fdp.step.grads._per_use import _Prefetch
-    from fdp.step.options._config import StepConfig
 
     monkeypatch.setattr(StepConfig, "prefetch_groups", property(lambda self: 1))
     keeps, kept = _Prefetch.keeps, []  # (group, kept?) as the backward pass asks

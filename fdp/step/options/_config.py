@@ -441,16 +441,25 @@ class StepConfig:
         weight-gradient product of the last micro-batch into it in place and
         all-reduces it there (after the loop it would give each product and each
         sum a buffer of its own). Mixed precision is left out: its gradients are
-        cast back to the master dtypes after the reduction. The step's plan
-        decides the rest (``StepPlan.last_in_loop``): the loop's carry goes from
-        per-device to replicated, so that step runs without replication typing.
+        cast back to the master dtypes after the reduction, and so are meshes
+        with model axes (the loop is not tried on model-split carries). The
+        step's plan decides the rest (``StepPlan.last_in_loop``): the loop's carry
+        goes from per-device to replicated, so that step runs without
+        replication typing.
         """
         return (
             self.holds_last_micro_batch
             and self.zero_stage == 0
             and self.sharding.param_dtype is None
             and self.groups_buckets
+            and self._data_axes_alone
         )
+
+    @property
+    def _data_axes_alone(self) -> bool:
+        """Whether every mesh axis but the data axes has size 1 (no model split)."""
+        mesh, data = self._need_bound("_data_axes_alone"), set(self.axis_names)
+        return all(size == 1 for axis, size in mesh.shape.items() if axis not in data)
 
     @property
     def scatters_gradients(self) -> bool:
@@ -604,22 +613,23 @@ class StepConfig:
         """Whether each bucket is one all-reduce of its gradients where they lie (GPU).
 
         On GPUs, with the flat layout and the mean all-reduce hook (no ZeRO
-        scatter, no model averager, no mesh axis besides the data axis), each
-        gradient's all-reduce is tagged with its bucket's key and XLA:GPU's
-        combiner merges a bucket's into one all-reduce of several operands
+        scatter, no model averager), each gradient's all-reduce is tagged with
+        its bucket's key and XLA:GPU's combiner merges a bucket's into one
+        all-reduce of several operands
         (:func:`fdp._compat.group_gpu_all_reduces_by_key`). Packing a flat
         buffer instead copies each gradient once more: compiled for 8 x H100,
         an MLP whose buckets join a 64 MiB kernel to a bias needed 1.10x plain
-        jit's temp memory packed, 0.98x grouped (docs/gpu.md). Other hooks
-        pack, with every collective kept apart.
+        jit's temp memory packed, 0.98x grouped (docs/gpu.md). A bucket split
+        over model axes is all-reduced on each device's block
+        (:func:`fdp.collectives._blocks.on_blocks`): left to XLA's partitioner,
+        its leaves' all-reduces came out one per leaf, untagged (34 over
+        'data' for the 13 buckets of the tensor-parallel GPT in
+        docs/benchmarks.md). Other hooks pack, with every collective kept apart.
         """
         mesh = self._need_bound("groups_buckets")
-        data = set(self.axis_names)
-        alone = all(size == 1 for axis, size in mesh.shape.items() if axis not in data)
         return (
             _on_gpu(mesh)
             and self.layout == "flat"
-            and alone
             and not self.scatters_gradients
             and self.model_averager is None
             and is_mean_all_reduce(self.hook)
