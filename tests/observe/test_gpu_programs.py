@@ -429,16 +429,12 @@ class _Megatron(nn.Module):
         )
 
 
-def test_stage_3_ties_its_gathers_without_an_all_reduce_over_the_model_axis():
-    """Per use, a gather waits for the activations before it, read whole by a barrier.
+def _megatron_step(shape, **settings):
+    """A step of :class:`_Megatron` on a data x model mesh of 8 compile-only H100s.
 
-    A tie that read one element of an activation split over 'model' cost a scalar
-    all-reduce over 'model' at every use (18 in benchmarks/gpu_tensor_parallel.py's
-    decoder), which plain jit's program does not have.
+    Returns the step, its abstract state and a batch of shapes, all on that mesh.
     """
-    if (status := _gpu.gpu_compiler_status()) is not None:
-        pytest.skip(status)
-    mesh = _gpu.gpu_mesh("h100_sxm", 8, axis_name=("data", "model"), shape=(4, 2))
+    mesh = _gpu.gpu_mesh("h100_sxm", 8, axis_name=("data", "model"), shape=shape)
     model = _Megatron()
 
     def loss(params, batch):
@@ -448,13 +444,25 @@ def test_stage_3_ties_its_gathers_without_an_all_reduce_over_the_model_axis():
         params = model.init(jax.random.key(0), jnp.zeros((1, 256)))["params"]
         return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
 
-    step = fdp.train_step(loss, mesh=mesh, zero_stage=3, **CAPS)
+    step = fdp.train_step(loss, mesh=mesh, **CAPS, **settings)
     data = NamedSharding(mesh, P("data"))
     batch = {
         "x": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=data),
         "y": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=data),
     }
-    state = step.abstract_init(make)
+    return step, step.abstract_init(make), batch
+
+
+def test_stage_3_ties_its_gathers_without_an_all_reduce_over_the_model_axis():
+    """Per use, a gather waits for the activations before it, read whole by a barrier.
+
+    A tie that read one element of an activation split over 'model' cost a scalar
+    all-reduce over 'model' at every use (18 in benchmarks/gpu_tensor_parallel.py's
+    decoder), which plain jit's program does not have.
+    """
+    if (status := _gpu.gpu_compiler_status()) is not None:
+        pytest.skip(status)
+    step, state, batch = _megatron_step((4, 2), zero_stage=3)
     assert state.params["Dense_0"]["kernel"].value.sharding.spec == P("data", "model")
     ops = collective_stats(step.lower(state, batch).compile()).ops
     over_model = {(0, 1), (2, 3), (4, 5), (6, 7)}  # device ids along 'model' of (4, 2)
@@ -475,23 +483,8 @@ def test_a_model_split_bucket_is_one_all_reduce_of_its_blocks(shape):
     """
     if (status := _gpu.gpu_compiler_status()) is not None:
         pytest.skip(status)
-    mesh = _gpu.gpu_mesh("h100_sxm", 8, axis_name=("data", "model"), shape=shape)
-    model = _Megatron()
-
-    def loss(params, batch):
-        return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
-
-    def make():
-        params = model.init(jax.random.key(0), jnp.zeros((1, 256)))["params"]
-        return fdp.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
-
-    step = fdp.train_step(loss, mesh=mesh, bucket_cap_mb=0.25, first_bucket_cap_mb=0.25)
-    data = NamedSharding(mesh, P("data"))
-    batch = {
-        "x": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=data),
-        "y": jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=data),
-    }
-    state = step.abstract_init(make)
+    step, state, batch = _megatron_step(shape)
+    mesh = step.config.bound_mesh
     ops = collective_stats(step.lower(state, batch).compile()).ops
     layouts = {b.layout for b in step.plan.buckets}
     assert P(None, "model") in layouts and P("model") in layouts, step.plan.buckets
