@@ -137,9 +137,10 @@ def test_linen_keeps_the_model_split_and_ends_where_one_device_does(shape, layou
     chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
 
 
+@pytest.mark.parametrize("steps", [1, 2], ids=["whole", "accumulated"])
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
 def test_grouped_buckets_reduce_model_split_blocks_and_end_where_one_device_does(
-    shape, monkeypatch
+    shape, steps, monkeypatch
 ):
     # On GPU each bucket's gradients are all-reduced where they lie, tagged with the
     # bucket's key (XLA merges them into one), a model-split bucket on each device's
@@ -153,7 +154,12 @@ def test_grouped_buckets_reduce_model_split_blocks_and_end_where_one_device_does
     )
     mesh, params = mesh_of(shape), params_of()
     state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
-    step = fdp.train_step(mse(Megatron().apply), mesh=mesh, reduction=fdp.Reduction(layout="flat"))
+    step = fdp.train_step(
+        mse(Megatron().apply),
+        mesh=mesh,
+        reduction=fdp.Reduction(layout="flat"),
+        accumulation=fdp.Accumulation(steps=steps),
+    )
     state = train(step, step.init(state), mesh)
     assert set(blocks) == {P(None, "model"), P("model"), P()}, blocks
     assert_split_over_model(state.params, mesh)
