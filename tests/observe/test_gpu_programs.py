@@ -429,13 +429,13 @@ class _Megatron(nn.Module):
         )
 
 
-def _megatron_step(shape, **settings):
-    """A step of :class:`_Megatron` on a data x model mesh of 8 compile-only H100s.
+def _megatron_step(shape, model=None, **settings):
+    """A step of ``model`` (:class:`_Megatron`) on a data x model mesh of 8 compile-only H100s.
 
     Returns the step, its abstract state and a batch of shapes, all on that mesh.
     """
     mesh = _gpu.gpu_mesh("h100_sxm", 8, axis_name=("data", "model"), shape=shape)
-    model = _Megatron()
+    model = _Megatron() if model is None else model
 
     def loss(params, batch):
         return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
@@ -492,3 +492,47 @@ def test_a_model_split_bucket_is_one_all_reduce_of_its_blocks(shape):
     over_data = [op for op in ops if op.kind == "all-reduce" and set(op.groups) == rows]
     assert sorted(op.buckets for op in over_data) == [(b.index,) for b in step.plan.buckets]
     assert step.config.groups_buckets
+
+
+class _MegatronLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + _Megatron()(x), None
+
+
+class _ScannedMegatron(nn.Module):
+    """Four :class:`_Megatron` blocks in one ``nn.scan``: stacked kernels split over 'model'."""
+
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(
+            _MegatronLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=4,
+            metadata_params={nn.PARTITION_NAME: None},
+        )
+        return layers()(x, None)[0]
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_a_scanned_stack_is_reduce_scattered_on_its_model_blocks_in_the_loop(zero_stage):
+    """Stages 1-2 reduce-scatter each layer's gradient in the backward loop, on its block.
+
+    Left to XLA's partitioner, each layer's model-split kernel gradients were first
+    all-gathered whole over 'model' (two 512 x 256 kernels per layer), then
+    reduce-scattered. XLA's own tensor-parallel collectives of the activations stay.
+    """
+    if (status := _gpu.gpu_compiler_status()) is not None:
+        pytest.skip(status)
+    step, state, batch = _megatron_step((4, 2), zero_stage=zero_stage, model=_ScannedMegatron())
+    assert step.config.reduces_scanned_in_loop
+    compiled = step.lower(state, batch).compile()
+    ops = collective_stats(compiled).ops
+    over_model = {(0, 1), (2, 3), (4, 5), (6, 7)}  # device ids along 'model' of (4, 2)
+    kernels = {(256, 512), (512, 256)}  # a layer's kernels, whole
+    gathered = [op for op in ops if op.kind == "all-gather" and set(op.groups) == over_model]
+    assert gathered, "XLA's all-gathers of activations over 'model'"
+    assert [op for op in gathered if kernels & set(op.shapes)] == []
+    in_loop = [op for op in loop_collectives(compiled).ops if op.kind == "reduce-scatter"]
+    assert in_loop, "each layer's gradient reduce-scattered inside the backward loop"

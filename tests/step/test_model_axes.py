@@ -602,3 +602,53 @@ def test_zero3_gather_groups_keep_the_last_one_and_end_where_one_device_does(
     kernel = state.params["Dense_0"]["kernel"]
     assert kernel.addressable_shards[0].data.size == kernel.size // 8
     chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
+
+
+class ScannedLayer(nn.Module):
+    """A Megatron block, as nn.scan stacks it: each kernel gets a leading layer axis."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        split, init = nn.with_partitioning, nn.initializers
+        h = nn.Dense(
+            32,
+            kernel_init=split(init.lecun_normal(), (None, "model")),
+            bias_init=split(init.zeros_init(), ("model",)),
+        )(x)
+        out = nn.Dense(16, kernel_init=split(init.lecun_normal(), ("model", None)))
+        return x + out(nn.relu(h)), None
+
+
+class ScannedMegatron(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(
+            ScannedLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=4,
+            metadata_params={nn.PARTITION_NAME: None},  # the layer axis is not split
+        )
+        x, _ = layers()(nn.Dense(16)(x), None)
+        return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4)], ids=["4x2", "2x4"])
+def test_a_scanned_stack_keeps_its_model_split_and_ends_where_one_device_does(shape, stage):
+    # Stages 0-2 reduce each layer's gradient inside the backward loop (a
+    # reduce-scatter on each device's model block at stages 1-2); stage 3 gathers per use.
+    model, mesh = ScannedMegatron(), mesh_of(shape)
+    boxed = model.init(jax.random.key(0), jnp.zeros((1, 8)))["params"]
+    state = fdp.TrainState.create(apply_fn=None, params=boxed, tx=optax.adam(1e-2))
+    step = fdp.train_step(mse(model.apply), mesh=mesh, sharding=fdp.Sharding(zero_stage=stage))
+    state = train(step, step.init(state), mesh)
+    assert step.config.reduces_scanned_in_loop == (stage < 3)
+    kernel = nn.unbox(state.params)["ScanScannedLayer_0"]["Dense_0"]["kernel"]  # (4, 16, 32)
+    assert kernel.sharding.spec[2] == "model", kernel.sharding
+    per_device = kernel.size // mesh.shape["model"] // (mesh.shape["data"] if stage == 3 else 1)
+    assert kernel.addressable_shards[0].data.size == per_device
+    plain = nn.unbox(boxed)
+    state_one = fdp.TrainState.create(apply_fn=None, params=plain, tx=optax.adam(1e-2))
+    want = reference_steps(state_one, batches(), mse(model.apply))[0].params
+    chex.assert_trees_all_close(jax.device_get(nn.unbox(state.params)), want, **TOL)

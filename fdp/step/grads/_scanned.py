@@ -42,10 +42,13 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from fdp import _compat as compat
+from fdp.bucketing._plan import WHOLE
 from fdp.collectives import vary
 from fdp.collectives._axis import AxisName
+from fdp.collectives._blocks import on_blocks
 from fdp.collectives._ops import own_chunk
 from fdp.step.grads._local_grads import Objective
 from fdp.step.grads._per_use import Use, _interpret, _Lazy, _merge
@@ -111,42 +114,56 @@ def _made(eqn: Any, values: list[Any]) -> list[Any]:
     return jax.checkpoint(apply, prevent_cse=False)(others, shards)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _scattered_gradient(whole: Any, share: Any, dim: int, axis_name: AxisName) -> Any:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _scattered_gradient(
+    whole: Any, share: Any, dim: int, axis_name: AxisName, layout: P = WHOLE
+) -> Any:
     """``whole`` made per-device; the gradient goes to ``share``, reduce-scattered along ``dim``.
 
     ``whole`` is a replicated parameter (no gradient of its own), ``share`` this
     device's block of it: the transpose of the cast is the sum over the data
-    axis of the cotangents, of which this device keeps its block.
+    axis of the cotangents, of which this device keeps its block. ``layout``:
+    its split over the model axes, on whose blocks the reduce-scatter runs
+    (:func:`fdp.collectives._blocks.on_blocks`).
     """
     return vary(whole, axis_name)
 
 
-def _scattered_fwd(whole: Any, share: Any, dim: int, axis_name: AxisName) -> tuple[Any, None]:
+def _scattered_fwd(
+    whole: Any, share: Any, dim: int, axis_name: AxisName, layout: P
+) -> tuple[Any, None]:
     return vary(whole, axis_name), None
 
 
-def _scattered_bwd(dim: int, axis_name: AxisName, _: None, ct: Any) -> tuple[None, Any]:
-    return None, jax.lax.psum_scatter(ct, axis_name, scatter_dimension=dim, tiled=True)
+def _scattered_bwd(dim: int, axis_name: AxisName, layout: P, _: None, ct: Any) -> tuple[None, Any]:
+    scatter = functools.partial(
+        jax.lax.psum_scatter, axis_name=axis_name, scatter_dimension=dim, tiled=True
+    )
+    return None, on_blocks(scatter, layout)(ct)
 
 
 _scattered_gradient.defvjp(_scattered_fwd, _scattered_bwd)
 
 
-def _scattered(whole: Any, share: Any, dim: int, axis_name: AxisName) -> _Lazy:
+def _scattered(whole: Any, share: Any, dim: int, axis_name: AxisName, layout: P = WHOLE) -> _Lazy:
     """``whole`` made per-device lazily, its gradient reduce-scattered into ``share``.
 
-    Scanned over, each layer's slice is made so in the loop body (``dim`` then
-    counts from the layer's own axes); a stack split along its layer axis
-    (``dim`` 0) has no per-layer share and is made whole before its loop.
+    Scanned over, each layer's slice is made so in the loop body (``dim`` and
+    ``layout`` then count from the layer's own axes); a stack split along its
+    layer axis (``dim`` 0, or a model axis there) has no per-layer share and is
+    made whole before its loop.
     """
 
     def layers() -> tuple[Any, Any] | None:
-        if dim == 0:
+        if dim == 0 or (len(layout) and layout[0] is not None):
             return None
-        return (whole, share), lambda part: _scattered(part[0], part[1], dim - 1, axis_name)
+        inner = P(*layout[1:])
+        return (whole, share), lambda part: _scattered(part[0], part[1], dim - 1, axis_name, inner)
 
-    return _Lazy((whole, share), lambda s: _scattered_gradient(s[0], s[1], dim, axis_name), layers)
+    def make(s: tuple[Any, Any]) -> Any:
+        return _scattered_gradient(s[0], s[1], dim, axis_name, layout)
+
+    return _Lazy((whole, share), make, layers)
 
 
 def _rerun(objective: Objective, typed: list[Any], lazy: dict[int, _Lazy]) -> Objective:
@@ -175,7 +192,11 @@ def _rerun(objective: Objective, typed: list[Any], lazy: dict[int, _Lazy]) -> Ob
 
 
 def scattered_in_loop(
-    objective: Objective, wholes: dict[int, Any], dims: dict[int, int], axis_name: AxisName
+    objective: Objective,
+    wholes: dict[int, Any],
+    dims: dict[int, int],
+    axis_name: AxisName,
+    layouts: dict[int, P] | None = None,
 ) -> Objective:
     """ZeRO stages 1-2: ``objective`` whose scanned stacks' gradients are reduce-scattered in-loop.
 
@@ -186,12 +207,18 @@ def scattered_in_loop(
     axis of the local gradients, this device's block, reduce-scattered inside
     the backward loop one layer at a time as it produces them. Only stacks
     split along a later axis than the layer axis (``dims[i] > 0``) qualify.
+    ``layouts``: a stack's split over the model axes (none where absent); its
+    reduce-scatter then runs on each device's block, as a bucket's does.
     """
+    layouts = {} if layouts is None else layouts
 
     def run(params: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
         leaves = jax.tree.leaves(params)
         typed = [vary(wholes[i], axis_name) if i in wholes else x for i, x in enumerate(leaves)]
-        lazy = {i: _scattered(wholes[i], leaves[i], dims[i], axis_name) for i in wholes}
+        lazy = {
+            i: _scattered(wholes[i], leaves[i], dims[i], axis_name, layouts.get(i, WHOLE))
+            for i in wholes
+        }
         return _rerun(objective, typed, lazy)(params, micro, carry, key)
 
     return run
