@@ -222,9 +222,8 @@ def reduce_step(
         scattered = {i: d for i in in_loop if (d := dims[i])}
         leaves = jax.tree.leaves(params)
         wholes = {i: leaves[i] for i in scattered}
-        layouts = dict(enumerate(plan.buckets.leaf_layouts))
-        objective = scattered_in_loop(objective, wholes, scattered, axis, layouts)
-        in_loop = ()
+        layouts = plan.buckets.leaf_layouts
+        objective, in_loop = scattered_in_loop(objective, wholes, scattered, axis, layouts), ()
         inputs = shares(params, scattered, axis)
     else:
         if in_loop:

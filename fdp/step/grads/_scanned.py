@@ -37,6 +37,7 @@ where DDP reduces once after ``no_sync``) and replication tracking
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -150,15 +151,15 @@ def _scattered(whole: Any, share: Any, dim: int, axis_name: AxisName, layout: P 
 
     Scanned over, each layer's slice is made so in the loop body (``dim`` and
     ``layout`` then count from the layer's own axes); a stack split along its
-    layer axis (``dim`` 0, or a model axis there) has no per-layer share and is
-    made whole before its loop.
+    layer axis (``dim`` 0) has no per-layer share and is made whole before its
+    loop.
     """
 
     def layers() -> tuple[Any, Any] | None:
-        if dim == 0 or (len(layout) and layout[0] is not None):
+        if dim == 0:
             return None
-        inner = P(*layout[1:])
-        return (whole, share), lambda part: _scattered(part[0], part[1], dim - 1, axis_name, inner)
+        layer = P(*tuple(layout)[1:])  # one layer's split over the model axes
+        return (whole, share), lambda part: _scattered(part[0], part[1], dim - 1, axis_name, layer)
 
     def make(s: tuple[Any, Any]) -> Any:
         return _scattered_gradient(s[0], s[1], dim, axis_name, layout)
@@ -196,7 +197,7 @@ def scattered_in_loop(
     wholes: dict[int, Any],
     dims: dict[int, int],
     axis_name: AxisName,
-    layouts: dict[int, P] | None = None,
+    layouts: Sequence[P] = (),
 ) -> Objective:
     """ZeRO stages 1-2: ``objective`` whose scanned stacks' gradients are reduce-scattered in-loop.
 
@@ -207,16 +208,16 @@ def scattered_in_loop(
     axis of the local gradients, this device's block, reduce-scattered inside
     the backward loop one layer at a time as it produces them. Only stacks
     split along a later axis than the layer axis (``dims[i] > 0``) qualify.
-    ``layouts``: a stack's split over the model axes (none where absent); its
-    reduce-scatter then runs on each device's block, as a bucket's does.
+    ``layouts``: per leaf, its split over the model axes (empty: none); a
+    stack's reduce-scatter then runs on each device's block, as a bucket's does.
     """
-    layouts = {} if layouts is None else layouts
+    laid = tuple(layouts)
 
     def run(params: Any, micro: Any, carry: Any, key: Any) -> tuple[Any, Any, Any]:
         leaves = jax.tree.leaves(params)
         typed = [vary(wholes[i], axis_name) if i in wholes else x for i, x in enumerate(leaves)]
         lazy = {
-            i: _scattered(wholes[i], leaves[i], dims[i], axis_name, layouts.get(i, WHOLE))
+            i: _scattered(wholes[i], leaves[i], dims[i], axis_name, laid[i] if laid else WHOLE)
             for i in wholes
         }
         return _rerun(objective, typed, lazy)(params, micro, carry, key)
