@@ -1,12 +1,16 @@
 """Data x tensor parallel training of a Megatron MLP on a (4 data x 2 model) mesh.
 
-    tensor_parallel.py --out params.npz [--devices 8] [--zero-stage Z]
+    tensor_parallel.py --out params.npz [--devices 8] [--zero-stage Z] [--hsdp]
 
 Under `fdp launch --nproc-per-node 2` with 4 CPU devices each, every process holds 2
 data rows x 2 model columns of the mesh and feeds its half of each global batch; alone
 with 8 devices, one process feeds all of it. The parameters are placed with the model
 split (first kernel by columns, second by rows) from values every process computes
 alike; fdp keeps the split, and the run ends where the other one does.
+
+With --hsdp the mesh is (2 host x 2 device x 2 model), each process one "host": ZeRO
+shards over 'device' inside a process and replicates across them (HSDP), so the
+replicas' all-reduce crosses processes (gloo) and the shards' collectives do not.
 """
 
 import argparse
@@ -15,6 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--devices", type=int, default=4, help="CPU devices per process")
 parser.add_argument("--zero-stage", type=int, default=0)
+parser.add_argument("--hsdp", action="store_true", help="host x device x model, HSDP")
 args = parser.parse_args()
 
 import jax  # noqa: E402
@@ -33,8 +38,15 @@ import fdp  # noqa: E402
 
 fdp.init(initialization_timeout=60)
 rank, nproc = fdp.process_index(), fdp.process_count()
-mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-rows = {d.process_index for d in mesh.devices[: 4 // nproc].flat}
+if args.hsdp:
+    data: tuple[str, ...] = ("host", "device")
+    mesh = jax.make_mesh((2, 2, 2), (*data, "model"), axis_types=(AxisType.Auto,) * 3)
+    sharding = fdp.Sharding(zero_stage=args.zero_stage, shard_over="inner")
+else:
+    data = ("data",)
+    mesh = jax.make_mesh((4, 2), (*data, "model"), axis_types=(AxisType.Auto,) * 2)
+    sharding = fdp.Sharding(zero_stage=args.zero_stage)
+rows = {d.process_index for d in mesh.devices[: mesh.devices.shape[0] // nproc].flat}
 assert rows == {0}, f"process 0 holds the first data rows, got {rows}"
 
 
@@ -66,7 +78,8 @@ def loss_fn(params, batch):
     return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
 
 
-step = fdp.train_step(loss_fn, mesh=mesh, sharding=fdp.Sharding(zero_stage=args.zero_stage))
+axis_name = data if args.hsdp else "data"
+step = fdp.train_step(loss_fn, mesh=mesh, axis_name=axis_name, sharding=sharding)
 state = step.init(state)
 rng = np.random.default_rng(0)
 half = 32 // nproc
@@ -76,12 +89,18 @@ for _ in range(3):
         "y": rng.normal(size=(32, 4)).astype(np.float32),
     }
     local = {k: v[rank * half : (rank + 1) * half] for k, v in batch.items()}
-    state, metrics = step(state, fdp.shard_batch(local, mesh))
+    state, metrics = step(state, fdp.shard_batch(local, mesh, axis_name=axis_name))
 
 kernel = state.params["Dense_0"]["kernel"]
 print(
     f"rank {rank}: Dense_0 kernel {kernel.sharding.spec}, "
     f"{kernel.addressable_shards[0].data.shape} on each device",
+    flush=True,
+)
+mu = state.opt_state[0].mu["Dense_0"]["kernel"]
+print(
+    f"rank {rank}: Dense_0 kernel's Adam mu {mu.sharding.spec}, "
+    f"{mu.addressable_shards[0].data.shape} on each device",
     flush=True,
 )
 params = multihost_utils.process_allgather(state.params, tiled=True)
