@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdp.bucketing import BucketPlan
-from fdp.collectives._blocks import on_blocks
 from fdp.hooks._contract import (
     CommHook,
     GradBucket,
@@ -30,13 +29,10 @@ from fdp.hooks._contract import (
 
 
 def _allreduce_reduce(state: HookState, bucket: GradBucket) -> tuple[Any, HookState]:
-    if bucket.grouped:  # one merged all-reduce, no packing; a model split's on its blocks
-        key = bucket_key(bucket.index)
-
-        def reduce(values: list[Any]) -> list[Any]:
-            return grouped_mean_all_reduce(values, bucket.axis_name, key)
-
-        return on_blocks(reduce, bucket.meta.layout)(list(bucket.gradients)), state
+    if bucket.grouped:  # one merged all-reduce, no packing (a model split's on its blocks)
+        return grouped_mean_all_reduce(
+            bucket.gradients, bucket.axis_name, bucket_key(bucket.index)
+        ), state
     if bucket.layout == "flat":
         return mean_all_reduce([bucket.buffer], bucket.axis_name)[0], state
     return mean_all_reduce(list(bucket.gradients), bucket.axis_name), state

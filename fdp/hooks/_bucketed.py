@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fdp.bucketing import BucketPlan, check_tree, has_gradient, plan_for
+from fdp.bucketing import Bucket, BucketPlan, check_tree, has_gradient, plan_for
+from fdp.bucketing._plan import WHOLE
 from fdp.collectives import axis_size, is_varying
 from fdp.collectives._axis import AxisName
+from fdp.collectives._blocks import on_blocks
 from fdp.hooks._contract import (
     CommHook,
     GradBucket,
     HookState,
     Layout,
+    ReduceFn,
     as_leaves,
     as_shards,
     check_layout,
@@ -81,6 +85,65 @@ def no_gradient(plan: BucketPlan, i: int, dim: int | None, n: int) -> Any:
     return np.zeros(shape, jax.dtypes.float0)
 
 
+def block_bucket(bucket: Bucket, shapes: list[tuple[int, ...]]) -> Bucket:
+    """``bucket`` as one device's blocks of its gradients (``shapes``), whole on every axis.
+
+    Example:
+      >>> b = Bucket(0, np.dtype("float32"), (0, 1), ((4, 8), (8,)), (0, 32), (32, 8),
+      ...            ("w", "b"), layout=jax.P(None, "model"))
+      >>> block_bucket(b, [(4, 4), (8,)]).offsets
+      (0, 16)
+    """
+    sizes = tuple(math.prod(s) for s in shapes)
+    offsets = tuple(int(o) for o in np.cumsum((0, *sizes[:-1])))
+    return dataclasses.replace(
+        bucket, shapes=tuple(shapes), sizes=sizes, offsets=offsets, layout=WHOLE
+    )
+
+
+def reduce_on_blocks(
+    hook: CommHook,
+    bucket: GradBucket,
+    state: HookState,
+    model_axes: tuple[str, ...],
+    scatter: ReduceFn | None = None,
+) -> tuple[list[jax.Array], HookState]:
+    """A stateless hook's reduction of ``bucket`` on each device's blocks of it.
+
+    Run manual over the mesh's ``model_axes`` too: the hook sees a bucket of this
+    device's blocks, whole, and packs, compresses or reduces (``scatter``: its
+    reduce-scatter form, ZeRO) them over the data axis as it would a bucket of
+    whole gradients (DDP over a tensor-parallel model holds each rank's local
+    shards). Left to XLA's partitioner, a hook's packing or casting of model-split
+    gradients gathered them over the model axis first, and XLA:CPU aborted on a
+    bfloat16 all-reduce of any gradient there ("Invalid binary instruction opcode
+    copy", jax 0.10.2 and 0.12.0.1).
+    """
+    layout = bucket.meta.layout
+
+    def reduce(gradients: list[jax.Array], parameters: list[jax.Array] | None) -> list[Any]:
+        meta = block_bucket(bucket.meta, [tuple(g.shape) for g in gradients])
+        block = GradBucket(
+            meta,
+            gradients,
+            is_last=bucket.is_last,
+            axis_name=bucket.axis_name,
+            layout=bucket.layout,
+            parameters=parameters,
+            shard_dims=bucket.shard_dims,
+            grouped=bucket.grouped,
+            largest_nbytes=bucket.largest_nbytes,
+        )
+        result, kept = (scatter or hook.reduce)(state, block)
+        if jax.tree.leaves(kept):
+            raise ValueError(f"comm hook {hook.name!r} returned state from a stateless init.")
+        return as_leaves(hook, block, result) if scatter is None else as_shards(hook, block, result)
+
+    params = None if bucket.parameters is None else list(bucket.parameters)
+    blocks = on_blocks(lambda args: reduce(*args), layout, model_axes)
+    return blocks((list(bucket.gradients), params)), state
+
+
 def reduce_with_hook(
     hook: CommHook,
     state: HookState,
@@ -92,6 +155,7 @@ def reduce_with_hook(
     params: Any = None,
     shard_dims: tuple[int | None, ...] | None = None,
     grouped: bool = False,
+    model_axes: tuple[str, ...] = (),
 ) -> tuple[Any, HookState]:
     """Reduces per-device gradients bucket by bucket with ``hook``.
 
@@ -113,6 +177,11 @@ def reduce_with_hook(
       grouped: with ``layout='flat'``, the compiler merges each bucket's tagged
         collectives into one (``GradBucket.grouped``; fdp's steps set it on
         GPUs with the default hook, with the compiler options that do it).
+      model_axes: the mesh's axes besides the data axis (tensor parallelism).
+        A stateless hook then reduces each bucket on each device's blocks
+        (:func:`reduce_on_blocks`); a stateful one, whose state has the
+        buckets' whole shapes, reduces a model-split bucket's gradients where
+        they lie, unpacked.
 
     Returns:
       ``(reduced_grads, new_state)``. Leaves in no bucket come back as zeros
@@ -146,17 +215,20 @@ def reduce_with_hook(
     last = len(plan.buckets) - 1
     largest = max((b.nbytes for b in plan.buckets), default=0)
     after = None  # the previous bucket's reduced gradients: each bucket comes after it
+    stateless = not jax.tree.leaves(state)
     for bucket in plan.buckets:  # launched in bucket-index order, as DDP requires
-        # A bucket split over a model axis is reduced where it lies: packing it into one
-        # flat buffer would gather it whole over that axis first. Grouped (GPU), its
-        # tagged all-reduces still merge into one.
+        # On a mesh with model axes a stateless hook runs on each device's blocks
+        # (packing, casting and grouping them there); a stateful hook's state has the
+        # buckets' whole shapes, so it reduces a model-split bucket's gradients where
+        # they lie, never packed (packing would gather them whole over that axis first).
         split = len(bucket.layout) > 0
+        blocks = bool(model_axes) and stateless
         grad_bucket = GradBucket(
             bucket,
             [leaves[i] for i in bucket.leaf_indices],
             is_last=bucket.index == last,
             axis_name=axis_name,
-            layout="leaves" if split else layout,
+            layout="leaves" if split and not blocks else layout,
             parameters=None
             if param_leaves is None
             else [param_leaves[i] for i in bucket.leaf_indices],
@@ -166,7 +238,9 @@ def reduce_with_hook(
             largest_nbytes=largest,
         )
         with jax.named_scope(f"fdp_bucket_{bucket.index}"):
-            if scatter is not None:
+            if blocks:
+                reduced, state = reduce_on_blocks(hook, grad_bucket, state, model_axes, scatter)
+            elif scatter is not None:
                 result, state = scatter(state, grad_bucket)
                 reduced = as_shards(hook, grad_bucket, result)
             else:

@@ -145,12 +145,14 @@ def test_grouped_buckets_reduce_model_split_blocks_and_end_where_one_device_does
     # On GPU each bucket's gradients are all-reduced where they lie, tagged with the
     # bucket's key (XLA merges them into one), a model-split bucket on each device's
     # block. Forced here on CPU, where the tags change nothing but the path is the same.
-    from fdp.hooks import _basic
+    from fdp.hooks import _bucketed
 
     monkeypatch.setattr(StepConfig, "groups_buckets", property(lambda self: True))
     blocks = []  # the layouts the default hook reduced on their blocks
     monkeypatch.setattr(
-        _basic, "on_blocks", lambda fn, layout: blocks.append(layout) or on_blocks(fn, layout)
+        _bucketed,
+        "on_blocks",
+        lambda fn, layout, axes: blocks.append((layout, axes)) or on_blocks(fn, layout, axes),
     )
     mesh, params = mesh_of(shape), params_of()
     state = fdp.TrainState.create(apply_fn=None, params=placed(params, mesh), tx=optax.adam(1e-2))
@@ -161,7 +163,11 @@ def test_grouped_buckets_reduce_model_split_blocks_and_end_where_one_device_does
         accumulation=fdp.Accumulation(steps=steps),
     )
     state = train(step, step.init(state), mesh)
-    assert set(blocks) == {P(None, "model"), P("model"), P()}, blocks
+    assert set(blocks) == {
+        (P(None, "model"), ("model",)),
+        (P("model"), ("model",)),
+        (P(), ("model",)),
+    }, blocks
     assert_split_over_model(state.params, mesh)
     chex.assert_trees_all_close(jax.device_get(state.params), expected(params), **TOL)
 

@@ -241,6 +241,7 @@ def reduce_step(
             params=params,
             shard_dims=dims if config.scatters_gradients else None,
             grouped=config.groups_buckets,
+            model_axes=config.model_axes,
         )
 
     def finish(sums: list[Any]) -> list[Any]:

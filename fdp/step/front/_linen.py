@@ -195,7 +195,8 @@ class DataParallelStep(Step):
         if buckets is None:  # no batch yet to tell unused parameters: all are bucketed
             stacked = cfg.per_device_state and jnp.ndim(state.step) > 0
             params = unstacked(state.params) if stacked else state.params
-            buckets = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
+            layouts = model_specs(params, cfg.bound_mesh, cfg.axis_name)  # as the step's plan
+            buckets = plan_for(params, cfg.bucket_cap_mb, cfg.first_bucket_cap_mb, layouts=layouts)
         self._agree("init", None, optimizer=_optimizer(state), state=state)
         if cfg.zero_stage:  # before the optimizer state is padded (fdp.step.layout._padding)
             self._remember_shapes(state.params, state.opt_state)

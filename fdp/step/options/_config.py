@@ -458,8 +458,13 @@ class StepConfig:
     @property
     def _data_axes_alone(self) -> bool:
         """Whether every mesh axis but the data axes has size 1 (no model split)."""
-        mesh, data = self._need_bound("_data_axes_alone"), set(self.axis_names)
-        return all(size == 1 for axis, size in mesh.shape.items() if axis not in data)
+        return not self.model_axes
+
+    @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The mesh axes of more than one device besides the data axes (tensor parallelism)."""
+        mesh, data = self._need_bound("model_axes"), set(self.axis_names)
+        return tuple(a for a, size in mesh.shape.items() if a not in data and size > 1)
 
     @property
     def scatters_gradients(self) -> bool:
