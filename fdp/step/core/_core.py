@@ -303,7 +303,10 @@ def reduce_step(
     if tracked and (plan.usage.unused or plan.usage.conditional):
         keep = tuple(untouched_flags(plan.usage, out.used, axis))
     metrics = reduce_metrics(
-        out.global_loss(axis, combine_with=loss_key), out.aux, axis, out.aux_rows
+        out.global_loss(axis, combine_with=loss_key, model_axes=config.model_axes),
+        out.aux,
+        axis,
+        out.aux_rows,
     )
     if config.reduction.grad_norm:  # each device may hold its share of split leaves
         shared = per_use or config.scatters_gradients

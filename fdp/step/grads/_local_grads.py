@@ -36,10 +36,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from fdp import _compat
 from fdp.collectives import is_varying, mean_over, sum_over, vary
 from fdp.collectives._axis import AxisName
+from fdp.collectives._blocks import on_blocks
 from fdp.nn._moments import using_example_mask
 from fdp.step.grads._batch import split_mask
 from fdp.step.grads._usage import nonzero_flags
@@ -145,17 +147,30 @@ class LocalGrads:
     used: jax.Array
     aux_rows: tuple[bool, ...] = ()
 
-    def global_loss(self, axis_name: AxisName, combine_with: str | None = None) -> jax.Array:
+    def global_loss(
+        self,
+        axis_name: AxisName,
+        combine_with: str | None = None,
+        model_axes: tuple[str, ...] = (),
+    ) -> jax.Array:
         """The loss over the whole batch (a collective: call it after the buckets).
 
         With ``combine_with`` (a bucket's combiner key, on GPU) the loss's
         all-reduce is tagged with it, and XLA:GPU merges it into that bucket's
         all-reduce: one collective fewer per step, as plain jit's partitioner
-        merges the loss with a gradient.
+        merges the loss with a gradient. ``model_axes``: the mesh's other axes,
+        where the all-reduce then runs manual too, as the buckets do (left to
+        the partitioner there, jax 0.12 puts the tag on a sharding constraint
+        after the all-reduce, and the loss stays a collective of its own).
         """
         if combine_with is not None:
-            summed = _compat.tag_combiner_key(sum_over(self.loss, axis_name), combine_with)
-            return summed / (jax.lax.axis_size(axis_name) if self.total is None else self.total)
+            key = combine_with
+
+            def summed(loss: jax.Array) -> jax.Array:
+                return _compat.tag_combiner_key(sum_over(loss, axis_name), key)
+
+            total = on_blocks(summed, P(), model_axes)(self.loss)
+            return total / (jax.lax.axis_size(axis_name) if self.total is None else self.total)
         if self.total is None:
             return mean_over(self.loss, axis_name)
         return sum_over(self.loss, axis_name) / self.total
