@@ -44,9 +44,10 @@ def on_blocks(
     ``shard_map`` manual over the data axis, on a value whose data-axis
     collective ``fn`` runs along a dimension ``layout`` leaves whole; it
     returns the value laid out as ``layout`` again. ``axes``: more mesh axes
-    to run manual over, the value replicated there (a value whole on a model
-    axis is then XLA's partitioner's no more: inside a ``shard_map`` manual
-    over the data axis alone, XLA:CPU aborts on its bfloat16 all-reduce).
+    to run manual over, the value whole (replicated) on them, so that XLA's
+    partitioner handles none of its collectives there (it leaves a bfloat16
+    all-reduce that XLA:CPU aborts on, inside a ``shard_map`` manual over the
+    data axis alone).
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -123,17 +123,7 @@ def reduce_on_blocks(
 
     def reduce(gradients: list[jax.Array], parameters: list[jax.Array] | None) -> list[Any]:
         meta = block_bucket(bucket.meta, [tuple(g.shape) for g in gradients])
-        block = GradBucket(
-            meta,
-            gradients,
-            is_last=bucket.is_last,
-            axis_name=bucket.axis_name,
-            layout=bucket.layout,
-            parameters=parameters,
-            shard_dims=bucket.shard_dims,
-            grouped=bucket.grouped,
-            largest_nbytes=bucket.largest_nbytes,
-        )
+        block = bucket.with_gradients(meta, gradients, parameters=parameters, after=None)
         result, kept = (scatter or hook.reduce)(state, block)
         if jax.tree.leaves(kept):
             raise ValueError(f"comm hook {hook.name!r} returned state from a stateless init.")

@@ -146,18 +146,26 @@ class GradBucket:
     def astype(self, dtype: Any) -> GradBucket:
         """The same bucket with its gradients cast to ``dtype``."""
         meta = dataclasses.replace(self.meta, dtype=np.dtype(dtype))
-        return GradBucket(
-            meta,
-            [g.astype(dtype) for g in self.gradients],
-            is_last=self.is_last,
-            axis_name=self.axis_name,
-            layout=self.layout,
-            parameters=self.parameters,
-            shard_dims=self.shard_dims,
-            after=self.after,
-            largest_nbytes=self.largest_nbytes,
-            grouped=self.grouped,
-        )
+        return self.with_gradients(meta, [g.astype(dtype) for g in self.gradients])
+
+    def with_gradients(
+        self, meta: Bucket, gradients: Sequence[jax.Array], **changes: Any
+    ) -> GradBucket:
+        """This bucket's settings with other ``gradients`` described by ``meta``.
+
+        ``changes``: keyword fields to give other values (``parameters=``, ``after=``).
+        """
+        fields: dict[str, Any] = {
+            "is_last": self.is_last,
+            "axis_name": self.axis_name,
+            "layout": self.layout,
+            "parameters": self.parameters,
+            "shard_dims": self.shard_dims,
+            "after": self.after,
+            "largest_nbytes": self.largest_nbytes,
+            "grouped": self.grouped,
+        }
+        return GradBucket(meta, gradients, **{**fields, **changes})
 
     def shard_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Shape of each gradient's share on one device after a reduce-scatter."""

@@ -271,10 +271,12 @@ class NNXDataParallelStep(Step):
             return
         cfg = self.config
         params = nnx.state(model, optimizer.wrt)
-        if buckets is None:  # keyed by layout, as the step's plan is
+        if buckets is None:
+            buckets = self.plan
+        if buckets is None:  # no batch yet: every leaf, keyed by layout as the step's plan is
             layouts = model_specs(params, cfg.bound_mesh, cfg.axis_name)
             caps = (cfg.bucket_cap_mb, cfg.first_bucket_cap_mb)
-            buckets = self.plan or plan_for(params, *caps, layouts=layouts)
+            buckets = plan_for(params, *caps, layouts=layouts)
         self._stateful_hook = hook_is_stateful(cfg, buckets)
         if not self._stateful_hook:
             return
